@@ -1,0 +1,207 @@
+"""The trajectory table: one row per multi-turn trajectory, stored as versioned, zstd Parquet.
+
+The table is the hand-off between the rollout stage and the learner (architecture.md, "Trajectory
+table"). Files are written atomically (temporary file in the same folder, fsync, rename) so that a
+crash never leaves a half-written file in place of a good one, and they carry their schema version
+in the Parquet key-value metadata. Reading checks both and names the file in every error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+SCHEMA_VERSION = "1"
+SCHEMA_VERSION_KEY = b"ragen.trajectory_schema_version"
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("iteration", pa.int32()),
+        ("split", pa.string()),
+        ("env_tag", pa.string()),
+        ("group_id", pa.int32()),
+        ("env_id", pa.int32()),
+        ("seed", pa.int64()),
+        ("turn_count", pa.int16()),
+        ("success", pa.bool_()),
+        ("truncated", pa.bool_()),
+        ("reward", pa.float32()),
+        ("format_penalty", pa.float32()),
+        ("score", pa.float32()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("turn_index", pa.list_(pa.int16())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("messages", pa.list_(MESSAGE)),
+        ("actions", pa.list_(pa.list_(pa.string()))),
+        ("turn_rewards", pa.list_(pa.float32())),
+        ("info", pa.string()),
+    ],
+    metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
+)
+
+TOKEN_COLUMNS = ("input_ids", "loss_mask", "turn_index", "rollout_logprobs")
+
+
+class TrajectoryFileError(ValueError):
+    """A trajectory file that cannot be used: missing, truncated, corrupt, or of another schema."""
+
+
+@dataclass
+class Trajectory:
+    """One row of the table, as the rollout runner produces it."""
+
+    run_id: str
+    iteration: int
+    split: str
+    env_tag: str
+    group_id: int
+    env_id: int
+    seed: int
+    turn_count: int
+    success: bool
+    truncated: bool
+    reward: float
+    format_penalty: float
+    score: float
+    input_ids: list[int]
+    loss_mask: list[int]
+    turn_index: list[int]
+    rollout_logprobs: list[float]
+    messages: list[dict[str, str]]
+    actions: list[list[str]]
+    turn_rewards: list[float]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        n = len(self.input_ids)
+        lengths = {c: len(getattr(self, c)) for c in TOKEN_COLUMNS}
+        if any(v != n for v in lengths.values()):
+            raise ValueError(f"trajectory env_id={self.env_id}: token columns differ in length: {lengths}")
+
+
+def to_table(trajectories: Iterable[Trajectory]) -> pa.Table:
+    """Build the Arrow table (schema-checked) from trajectories."""
+    rows: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    for t in trajectories:
+        t.check()
+        for name in SCHEMA.names:
+            value = getattr(t, name)
+            rows[name].append(json.dumps(value, sort_keys=True) if name == "info" else value)
+    return pa.Table.from_pydict(rows, schema=SCHEMA)
+
+
+def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
+    """Write ``table`` to ``path`` atomically (temp file + fsync + rename), zstd compressed."""
+    path = Path(path)
+    if table.schema.remove_metadata() != SCHEMA.remove_metadata():
+        raise ValueError(f"{path}: table does not match the trajectory schema v{SCHEMA_VERSION}")
+    table = table.replace_schema_metadata({SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise OSError(f"cannot write trajectories to {path}: {exc.strerror}; check the run directory "
+                      "is writable and the disk has space") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_trajectories(trajectories: Iterable[Trajectory], path: str | os.PathLike[str]) -> Path:
+    return write_table(to_table(trajectories), path)
+
+
+def read_table(path: str | os.PathLike[str]) -> pa.Table:
+    """Read and validate a trajectory file; every error names the file and what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise TrajectoryFileError(f"{path}: no such trajectory file")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise TrajectoryFileError(
+            f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}. "
+            "Rerun the rollout stage of this iteration to regenerate it."
+        ) from exc
+    version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
+    if version is None:
+        raise TrajectoryFileError(f"{path}: no {SCHEMA_VERSION_KEY.decode()} metadata; not a ragen-flow trajectory file")
+    if version.decode() != SCHEMA_VERSION:
+        raise TrajectoryFileError(
+            f"{path}: trajectory schema v{version.decode()}, this ragen-flow reads v{SCHEMA_VERSION}"
+        )
+    missing = [n for n in SCHEMA.names if n not in table.schema.names]
+    if missing:
+        raise TrajectoryFileError(f"{path}: missing columns {missing}")
+    return table.select(SCHEMA.names)
+
+
+def read_trajectories(path: str | os.PathLike[str]) -> list[Trajectory]:
+    rows = read_table(path).to_pylist()
+    out = []
+    for r in rows:
+        r["info"] = json.loads(r["info"]) if r["info"] else {}
+        out.append(Trajectory(**r))
+    return out
+
+
+@dataclass
+class TokenBatch:
+    """The learner's view of a trajectory table: right-padded tensors, one row per trajectory."""
+
+    input_ids: torch.Tensor  # (B, L) int64, pad 0
+    attention_mask: torch.Tensor  # (B, L) int64
+    loss_mask: torch.Tensor  # (B, L) float32: 1 on sampled (trained) tokens
+    turn_index: torch.Tensor  # (B, L) int64
+    rollout_logprobs: torch.Tensor  # (B, L) float32, 0 outside the loss mask
+    scores: torch.Tensor  # (B,) float32
+    group_ids: torch.Tensor  # (B,) int64
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _pad(rows: Sequence[Sequence[float | int]], length: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros((len(rows), length), dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
+    """Right-padded tensors from a trajectory table (or its ``to_pydict()``)."""
+    cols = table.to_pydict() if isinstance(table, pa.Table) else table
+    ids = cols["input_ids"]
+    length = max((len(r) for r in ids), default=0)
+    lengths = torch.tensor([len(r) for r in ids], dtype=torch.int64)
+    attention = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return TokenBatch(
+        input_ids=_pad(ids, length, torch.int64),
+        attention_mask=attention,
+        loss_mask=_pad(cols["loss_mask"], length, torch.float32),
+        turn_index=_pad(cols["turn_index"], length, torch.int64),
+        rollout_logprobs=_pad(cols["rollout_logprobs"], length, torch.float32),
+        scores=torch.tensor(cols["score"], dtype=torch.float32),
+        group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
+    )
