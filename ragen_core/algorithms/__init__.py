@@ -1,0 +1,39 @@
+"""RL algorithms for multi-turn LLM agents (RAGEN / StarPO): pure torch functions, no hidden state.
+
+Every function takes tensors (token tensors are ``(B, T)`` with a ``mask`` of trained tokens, or
+per-trajectory ``(N,)`` scores with group ids) and returns tensors; each docstring gives its
+formula. Public contract: see architecture.md, section "Algorithms".
+"""
+
+from ragen_core.algorithms.advantages import bilevel_gae, gae, grpo, reinforce_pp, rloo, whiten
+from ragen_core.algorithms.filtering import FILTER_MODES, group_std_stats, select_groups
+from ragen_core.algorithms.losses import (
+    AGG_MODES,
+    KL_KINDS,
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "FILTER_MODES",
+    "KL_KINDS",
+    "agg_loss",
+    "bilevel_gae",
+    "entropy_from_logits",
+    "gae",
+    "group_std_stats",
+    "grpo",
+    "kl_penalty",
+    "masked_mean",
+    "policy_loss",
+    "reinforce_pp",
+    "rloo",
+    "select_groups",
+    "value_loss",
+    "whiten",
+]
