@@ -5,13 +5,23 @@ This package depends on the standard library and numpy only (never torch).
 """
 
 from envs.base import Env, StepResult
-from envs.registry import EnvSpec, UnknownEnvError, make, register_tag, register_type, spec, tags
+from envs.registry import (
+    EnvSpec,
+    UnknownEnvError,
+    catalogue_tags,
+    make,
+    register_tag,
+    register_type,
+    spec,
+    tags,
+)
 
 __all__ = [
     "Env",
     "EnvSpec",
     "StepResult",
     "UnknownEnvError",
+    "catalogue_tags",
     "make",
     "register_tag",
     "register_type",

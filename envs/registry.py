@@ -115,8 +115,14 @@ def env_class(env_type: str) -> type[Env]:
 
 
 def tags() -> list[str]:
+    """Every known tag: the catalogue's, plug-ins' and those registered at run time."""
     _load()
     return sorted(_tags)
+
+
+def catalogue_tags() -> list[str]:
+    """The tags of the shipped catalogue file only (stable: nothing registered at run time)."""
+    return list(yaml.safe_load(CATALOGUE_PATH.read_text()) or {})
 
 
 def spec(tag: str, **overrides: Any) -> EnvSpec:

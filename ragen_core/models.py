@@ -1,0 +1,401 @@
+"""Policy models and tokenizers: tiny local Qwen2 models for CPU runs, and Hugging Face checkpoints.
+
+No model can be downloaded on these machines, so a run either loads a local directory (or a name
+already in the local Hugging Face cache) with :func:`load_policy`, or builds a tiny policy with
+:func:`build_tiny_policy`: a byte-level BPE tokenizer trained on text the environments produce
+(:func:`env_corpus`) and a small randomly initialised ``Qwen2ForCausalLM``.
+
+The tiny tokenizer is a drop-in for Qwen2.5's: the same pre-tokenizer (NFC normaliser, Split on
+Qwen2's regex, ByteLevel without its own regex), the same ChatML specials (``<|endoftext|>``,
+``<|im_start|>``, ``<|im_end|>``) and chat template, ``eos = <|im_end|>``, ``pad = <|endoftext|>``,
+left padding. Because a ``qwen2`` model directory always reloads its tokenizer as
+``Qwen2Tokenizer`` (which rebuilds the pre-tokenizer with Qwen2's regex), any other pre-tokenizer
+would give different ids after a save/load; this one gives identical ids.
+
+``<think> </think> <answer> </answer>`` are added as *regular* (non-special) added tokens: each is
+one token id, and they survive ``decode(..., skip_special_tokens=True)``, which is how responses
+are decoded before parsing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+log = logging.getLogger(__name__)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+#: Protocol tags, added as regular (non-special) single tokens.
+PROTOCOL_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+#: Qwen2.5's ChatML template without its default system message (RAGEN always sends one).
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path or name that is neither a local directory nor in the local Hugging Face cache."""
+
+
+class ModelConfig(BaseModel):
+    """Which policy to use: a pretrained checkpoint (``path``) or a tiny local model (``path=None``).
+
+    The tiny settings are ignored when ``path`` is set. ``vocab_size`` is the tokenizer's training
+    target; the tiny model's embedding has exactly ``len(tokenizer)`` rows (so every id it can
+    sample decodes).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        default=None, description="HF model name or local directory; None builds a tiny local model"
+    )
+    vocab_size: int = Field(default=2048, ge=300)
+    hidden_size: int = Field(default=128, ge=8)
+    num_layers: int = Field(default=2, ge=1)
+    num_heads: int = Field(default=4, ge=1)
+    num_kv_heads: int = Field(default=2, ge=1)
+    intermediate_size: int = Field(default=512, ge=1)
+    max_position_embeddings: int = Field(default=2048, ge=16)
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    seed: int = 0
+    corpus_seeds: int = Field(default=16, ge=1, description="env seeds per tag for the tokenizer corpus")
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        if v.lower() not in _DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; use one of {sorted(_DTYPES)}")
+        return v
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+def _qwen2_regex() -> str:
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    return PRETOKENIZE_REGEX
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+    """Train a byte-level BPE tokenizer (Qwen2 pre-tokenization) and wrap it for transformers.
+
+    Returns a ``PreTrainedTokenizerFast`` with the ChatML specials and chat template, the protocol
+    tags as single regular tokens, ``eos=<|im_end|>``, ``pad=<|endoftext|>``, left padding.
+    ``vocab_size`` counts the specials and the 256 byte symbols; the protocol tags come on top.
+    Training is deterministic: the same texts give the same vocabulary and merges.
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_qwen2_regex()), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator((t for t in texts if t), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PROTOCOL_TOKENS])
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        padding_side="left",
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHATML_TEMPLATE
+    return wrapped
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus for the tiny tokenizer
+# --------------------------------------------------------------------------------------------
+_THOUGHTS = (
+    "I should move the box toward the target.",
+    "The box is above the target, so I push it down.",
+    "To forbid the hole and go to the target, I should go left then go up.",
+    "The player is next to the box; pushing right moves it onto the goal.",
+    "I need to avoid the holes and reach the goal.",
+    "The higher arm pays more on average, so I pick it.",
+    "Let me compute the equation step by step.",
+    "First add the numbers, then multiply the result.",
+    "The answer is the number that satisfies the equation.",
+    "I am not sure, so I will explore.",
+)
+_FMT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
+_FMT_NOTHINK = "<answer> [your answer] </answer>"
+
+
+def _turn_text(t: int, state: str, actions_left: int, max_tokens: int, think: bool) -> str:
+    fmt = _FMT_THINK if think else _FMT_NOTHINK
+    return (
+        f"\nTurn {t}:\nState:\n{state}\nYou have {actions_left} actions left. Always output: {fmt} "
+        f"with no extra text. Strictly follow this format. Max response length: {max_tokens} words "
+        "(tokens).\n"
+    )
+
+
+def _tag_prefix(spec: Any, env: Any) -> str:
+    text = spec.env_instruction or ""
+    vocab = getattr(env, "grid_vocab", None)
+    if vocab:
+        text += "\nThe meaning of each symbol in the state is:\n" + ", ".join(
+            f"{k}: {v}" for k, v in vocab.items()
+        )
+    actions = getattr(env, "actions", None)
+    if actions:
+        text += "\nYour available actions are:\n" + ", ".join(actions)
+        text += (
+            f"\nYou can make up to {spec.max_actions_per_traj} actions, separated by the action separator"
+            ' " || "\n'
+        )
+    return text
+
+
+def _tag_texts(tag: str, n_seeds: int, rng: random.Random) -> list[str]:
+    import envs
+
+    env = envs.make(tag)
+    spec = env.spec  # type: ignore[attr-defined]
+    out: list[str] = []
+    try:
+        for seed in range(n_seeds):
+            state = env.reset(seed)
+            prefix = _tag_prefix(spec, env)
+            budget = spec.max_actions_per_traj
+            think = seed % 2 == 0
+            text = (
+                "You're a helpful assistant. \n"
+                + prefix
+                + _turn_text(1, state, budget, spec.max_tokens, think)
+            )
+            actions = list(env.actions) if env.actions else None
+            for t in range(2, 2 + min(budget, 3)):
+                if actions:
+                    chosen = rng.sample(actions, k=min(len(actions), rng.randint(1, 3)))
+                    answer = " || ".join(chosen)
+                else:
+                    answer = str(rng.randint(1, 100))
+                    for _ in range(rng.randint(1, 3)):
+                        answer += f" {rng.choice('+-*/')} {rng.randint(1, 100)}"
+                    chosen = [answer]
+                thought = rng.choice(_THOUGHTS)
+                response = (
+                    f"<think>{thought}</think><answer>{answer}</answer>"
+                    if think
+                    else f"<answer>{answer}</answer>"
+                )
+                out.append(response)
+                reward = 0.0
+                done = False
+                for a in chosen:
+                    res = env.step(a)
+                    reward += res.reward
+                    if res.done:
+                        done = True
+                        break
+                out.append(f"Reward:\n{round(reward, 2)}\n")
+                if done:
+                    break
+                text += _turn_text(t, env.render(), budget - t + 1, spec.max_tokens, think)
+            out.append(text)
+    finally:
+        env.close()
+    return out
+
+
+def env_corpus(n_seeds: int = 16, tags: Iterable[str] | None = None, seed: int = 0) -> list[str]:
+    """Text like what the policy reads and writes, for training the tiny tokenizer.
+
+    For each tag (default: the shipped catalogue's tags, so that the tokenizer does not depend on
+    what else a process registered): the tag's instruction prefix, initial
+    and later states rendered by the environment for seeds ``0..n_seeds-1``, the per-turn template
+    text, reward lines, and ``<think>...</think><answer>...</answer>`` samples with the tag's action
+    names; plus numbers and generic ChatML framing. Tags whose environment cannot be built yet (its
+    module missing or broken) raise: a silently smaller corpus would give another tokenizer.
+    Deterministic for a given set of tags.
+    """
+    import envs
+
+    rng = random.Random(seed)
+    corpus: list[str] = []
+    for tag in list(tags) if tags is not None else envs.catalogue_tags():
+        corpus.extend(_tag_texts(tag, n_seeds, rng))
+    corpus.extend(str(i) for i in range(1000))
+    corpus.extend(f"{rng.uniform(-1, 1):.2f} {rng.randint(0, 10000)}" for _ in range(200))
+    corpus.extend(
+        f"{IM_START}system\nYou're a helpful assistant. {IM_END}\n{IM_START}user\n{t}{IM_END}\n{IM_START}assistant\n"
+        for t in _THOUGHTS
+    )
+    corpus.extend(_THOUGHTS)
+    return corpus
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+def build_tiny_model(cfg: ModelConfig, tokenizer: Any):
+    """A randomly initialised ``Qwen2ForCausalLM`` sized by ``cfg`` for ``tokenizer``.
+
+    Initialisation is seeded by ``cfg.seed`` (same seed, same weights) without touching the global
+    torch RNG state. The embedding has ``len(tokenizer)`` rows.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(
+            f"model: hidden_size ({cfg.hidden_size}) must be divisible by num_heads ({cfg.num_heads}) and "
+            f"num_heads by num_kv_heads ({cfg.num_kv_heads})"
+        )
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_sliding_window=False,
+        max_window_layers=cfg.num_layers,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = Qwen2ForCausalLM(config)
+    model = model.to(torch_dtype(cfg.dtype))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.bos_token_id = None
+    model.eval()
+    return model
+
+
+def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
+    """Train a tokenizer on ``corpus`` (default :func:`env_corpus`) and build the tiny model."""
+    texts = list(corpus) if corpus is not None else env_corpus(n_seeds=cfg.corpus_seeds)
+    tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
+    return build_tiny_model(cfg, tokenizer), tokenizer
+
+
+def policy_from_config(cfg: ModelConfig):
+    """``(model, tokenizer)``: :func:`load_policy` of ``cfg.path``, or a new tiny policy."""
+    if cfg.path is None:
+        return build_tiny_policy(cfg)
+    return load_policy(cfg.path, dtype=cfg.dtype)
+
+
+def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Path:
+    """Write weights (safetensors), config, generation config and tokenizer in HF format."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def _hf_home() -> str:
+    return os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+
+
+def load_policy(
+    path_or_name: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | None = None
+):
+    """Load ``(model, tokenizer)`` from a local directory or a model already in the local HF cache.
+
+    Never downloads (``local_files_only=True``). The tokenizer must carry a chat template; it is
+    set to left padding, and its pad token defaults to its eos token when it has none.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = str(path_or_name)
+    p = Path(name).expanduser()
+    looks_local = p.is_absolute() or name.startswith((".", "~")) or p.exists()
+    if looks_local and not p.is_dir():
+        raise ModelNotFoundError(
+            f"model {name!r} not found locally: no such directory; no downloads here: pass a local "
+            f"directory or pre-populate HF_HOME ({_hf_home()})"
+        )
+    source = str(p) if looks_local else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch_dtype(dtype))
+    except (OSError, ValueError) as exc:
+        if looks_local:
+            raise
+        raise ModelNotFoundError(
+            f"model {name!r} not found locally; no downloads here: pass a local directory or pre-populate "
+            f"HF_HOME ({_hf_home()}). ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer of {name!r} has no chat_template; set one or use a chat model "
+            "(e.g. an -Instruct checkpoint)"
+        )
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,352 @@
+"""Rollout engines: batched sampling over token-id prompts (token-in, token-out).
+
+An engine takes prompts as lists of token ids and returns, for each, the sampled token ids, the
+log-probability of each sampled token, and why generation stopped. Nothing is decoded or
+re-encoded here: the ids are exactly what the trainer will train on.
+
+Log-prob convention (shared by every backend): ``Generation.logprobs[j]`` is
+``log_softmax(logits_j)[token_j]`` over the *full* vocabulary of the *raw* next-token logits,
+i.e. at temperature 1 with no top-k/top-p filtering, computed in float32. That is exactly what the
+learner recomputes as the old (behaviour) log-probs, so for a float32 model the two agree to
+float rounding (about 1e-5); with bf16 or a different backend their gap is a logged metric.
+Sampling itself uses the requested temperature / top-k / top-p; with temperature != 1 the stored
+values are therefore *not* the log-probs of the distribution actually sampled from (RAGEN's
+learner also uses temperature-1 log-probs).
+
+:class:`HFEngine` is the CPU default: a hand-written decode loop over a transformers causal LM with
+a KV cache (not ``model.generate``), so that the per-token log-probs and the random stream are
+under our control:
+
+* left padding, ``attention_mask``, and ``position_ids = cumsum(mask) - 1`` clamped at 0, the same
+  positions the learner uses, so each sequence sees exactly the positions it would see alone;
+* seeded sampling with one random stream per sequence: the token sampled at step ``t`` of sequence
+  ``i`` is an inverse-CDF draw with the ``t``-th uniform of ``torch.Generator(seed_i)``. The random
+  stream is therefore independent of the batch composition and of micro-batching; the logits
+  themselves can differ at float-rounding level between batch shapes, which flips a draw only in
+  vanishingly rare ties;
+* generation stops at a stop token (default: the tokenizer's eos, ``<|im_end|>`` for ChatML),
+  which is included in the output (``finish_reason="stop"``), or after ``max_new_tokens`` or at
+  the model's context length (``finish_reason="length"``);
+* finished sequences are dropped from the batch and the KV cache, so they stop costing compute.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room for even one new token in the model's context."""
+
+
+class SamplingParams(BaseModel):
+    """Per-call sampling settings (vLLM's names and meanings).
+
+    ``temperature=0`` (or ``top_k=1``) is greedy decoding. ``top_k=-1`` and ``top_p=1`` turn those
+    filters off. ``stop_token_ids=None`` uses the engine's default stop ids (the tokenizer's eos).
+    ``seed`` seeds sequence ``i`` with ``seed + i`` when no per-sequence seeds are passed to
+    :meth:`RolloutEngine.generate`; ``None`` draws seeds from torch's global RNG.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(default=400, ge=1)
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {v}")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class Generation:
+    """One sampled continuation: ids (stop token included), their raw log-probs, and why it ended."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason = "length"
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class RolloutEngine(ABC):
+    """What the rollout runner needs from a generation backend (HF here, vLLM on GPUs)."""
+
+    @abstractmethod
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """Sample one continuation per prompt (token ids, no decoding); same seeds, same tokens."""
+
+    @abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load new policy weights (a full state dict, parameter names as in the HF model)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model and any worker processes."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def resolve_seeds(n: int, params: SamplingParams, seeds: Sequence[int] | None) -> list[int]:
+    """Per-sequence seeds: explicit ``seeds``, else ``params.seed + i``, else from torch's global RNG."""
+    if seeds is not None:
+        if len(seeds) != n:
+            raise ValueError(f"got {len(seeds)} seeds for {n} prompts; pass one seed per prompt")
+        return [int(s) for s in seeds]
+    if params.seed is not None:
+        return [params.seed + i for i in range(n)]
+    return torch.randint(0, 2**62, (n,)).tolist()
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Sampling distribution (rows sum to 1) after temperature, top-k, then top-p (nucleus)."""
+    x = logits / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, -math.inf)
+    probs = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        remove = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(remove, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return probs
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row: the first index whose cumulative mass exceeds ``u * total`` (u in [0, 1))."""
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    target = (uniforms.double().to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+class HFEngine(RolloutEngine):
+    """Rollout engine over a transformers causal LM, with a KV-cached decode loop.
+
+    ``model`` is used in place (``update_weights`` writes into it; an in-process learner may share
+    it). ``tokenizer`` supplies the pad id and default stop ids; both can be given explicitly.
+    ``max_model_len`` (default ``config.max_position_embeddings``) bounds prompt + generation;
+    a prompt that does not fit raises :class:`PromptTooLongError` (never a silent cut).
+    ``max_batch_size`` splits large calls into micro-batches (results do not depend on it, up to
+    float rounding of the logits).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        max_model_len: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        cfg = model.config
+        ctx = getattr(cfg, "max_position_embeddings", None)
+        self.max_model_len = int(max_model_len or ctx or 2048)
+        if ctx is not None and self.max_model_len > ctx:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context length {ctx}")
+        if stop_token_ids is None:
+            eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
+            stop_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+            if pad_token_id is None:
+                pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.pad_token_id = int(pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (most models)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise RuntimeError("HFEngine is closed")
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) >= self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(p)} tokens but the model context is {self.max_model_len} tokens, "
+                    "leaving no room to generate; shorten the prompt (e.g. max_context_window) or use a "
+                    "model with a longer context"
+                )
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {self.vocab_size})"
+                )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        self._check_open()
+        if not prompts:
+            return []
+        self._check_prompts(prompts, params)
+        seed_list = resolve_seeds(len(prompts), params, seeds)
+        chunk = self.max_batch_size or len(prompts)
+        out: list[Generation] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(prompts), chunk):
+                out.extend(
+                    self._generate_batch(
+                        prompts[start : start + chunk], params, seed_list[start : start + chunk]
+                    )
+                )
+        finally:
+            self.model.train(was_training)
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
+    ) -> list[Generation]:
+        from transformers import DynamicCache
+
+        model = self.model
+        device = model.get_input_embeddings().weight.device
+        n = len(prompts)
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        budgets = [min(params.max_new_tokens, self.max_model_len - ln) for ln in lens]
+        max_steps = max(budgets)
+        stop = set(self.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
+
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+
+        uniforms = None
+        if not params.greedy:
+            uniforms = torch.stack(
+                [
+                    torch.rand(max_steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                    for s in seeds
+                ]
+            )
+
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        ).logits[:, -1, :]
+        next_pos = pos[:, -1] + 1
+        active = torch.arange(n)  # original index of each row still in the batch / cache
+        results = [Generation() for _ in range(n)]
+
+        for step in range(max_steps):
+            logits = logits.float()
+            if torch.isnan(logits).any():
+                raise FloatingPointError("the model produced NaN logits during generation")
+            logp = torch.log_softmax(logits, dim=-1)
+            if params.greedy:
+                tok = logits.argmax(dim=-1)
+            else:
+                probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p)
+                tok = sample_inverse_cdf(probs, uniforms[active, step]).to(device)
+            tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+            keep: list[int] = []
+            for row, (i, t, lp) in enumerate(
+                zip(active.tolist(), tok.tolist(), tok_lp.tolist(), strict=True)
+            ):
+                g = results[i]
+                g.token_ids.append(t)
+                g.logprobs.append(lp)
+                if t in stop:
+                    g.finish_reason = "stop"
+                elif len(g.token_ids) >= budgets[i]:
+                    g.finish_reason = "length"
+                else:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):  # drop finished rows so they stop costing compute
+                rows = torch.tensor(keep, dtype=torch.long)
+                rows_dev = rows.to(device)
+                cache.batch_select_indices(rows_dev)
+                active, tok = active[rows], tok[rows_dev]
+                mask, next_pos = mask[rows_dev], next_pos[rows_dev]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            logits = model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=next_pos.unsqueeze(-1),
+                use_cache=True,
+                **{self._cache_kw: cache},
+            ).logits[:, -1, :]
+            next_pos = next_pos + 1
+        return results
+
+    # ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state_dict`` into the model (dtype/device converted). Tied ``lm_head`` may be omitted."""
+        self._check_open()
+        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            missing = [k for k in missing if not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise KeyError(
+                f"update_weights: state dict does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+
+    def close(self) -> None:
+        self.model = None

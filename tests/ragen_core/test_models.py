@@ -1,0 +1,194 @@
+"""Tiny tokenizer and model: Qwen2-compatible save/load, seeded init, load errors, env corpus."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from ragen_core.models import (
+    CHATML_TEMPLATE,
+    PROTOCOL_TOKENS,
+    ModelConfig,
+    ModelNotFoundError,
+    build_tiny_model,
+    env_corpus,
+    load_policy,
+    policy_from_config,
+    save_policy,
+    train_tokenizer,
+)
+
+SYSTEM = "You're a helpful assistant. "
+EXTRA_TEXTS = [
+    "Unicode: √ box on target, naïve café, 東京, emoji 🙂, tabs\tand\r\nCRLF",
+    "   leading spaces and trailing   \n\n\n",
+    "it's we're they'll I'd, 12345678 -0.30000000000000004",
+    "<think>go left</think><answer>Left || Up</answer>",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return env_corpus(n_seeds=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return train_tokenizer(corpus, vocab_size=1024)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, tokenizer):
+    model = build_tiny_model(ModelConfig(seed=3), tokenizer)
+    d = tmp_path_factory.mktemp("policy")
+    save_policy(model, tokenizer, d)
+    return model, d
+
+
+def conversations(corpus: list[str]) -> list[list[dict[str, str]]]:
+    convs = []
+    for i in range(0, 12, 3):
+        convs.append(
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": corpus[i]},
+                {"role": "assistant", "content": "<think>hmm</think><answer>Up || Left</answer>"},
+                {"role": "user", "content": "Reward:\n-0.1\n\nTurn 2:\nState:\n" + corpus[i + 1]},
+            ]
+        )
+    return convs
+
+
+def test_model_config_forbids_unknown_keys():
+    assert ModelConfig().path is None
+    with pytest.raises(ValueError, match="hiden_size"):
+        ModelConfig(hiden_size=64)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ModelConfig(dtype="float8")
+
+
+def test_env_corpus_covers_the_catalogue(corpus):
+    import envs
+    from envs.registry import EnvSpec
+
+    text = "\n".join(corpus)
+    assert "Turn 1:\nState:\n" in text and "<answer>" in text and "Reward:\n" in text
+    for tag in envs.catalogue_tags():
+        assert envs.make(tag).reset(0) in text, tag
+    # A tag registered at run time does not change the default corpus (nor the tokenizer).
+    envs.register_tag(EnvSpec(tag="CorpusProbe", env_type="sokoban", env_config={"dim_room": [5, 5]}))
+    assert env_corpus(n_seeds=2) == env_corpus(n_seeds=2)
+    assert "CorpusProbe" not in envs.catalogue_tags()
+    with pytest.raises(envs.UnknownEnvError, match="NoSuchTag"):
+        env_corpus(n_seeds=1, tags=["NoSuchTag"])
+
+
+def test_tokenizer_basics(tokenizer):
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.bos_token is None
+    for t in (*PROTOCOL_TOKENS, "<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert len(tokenizer.encode(t)) == 1, t
+    ids = tokenizer.encode("<think>a</think><answer>Left</answer><|im_end|>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<think>a</think><answer>Left</answer>"
+    for text in EXTRA_TEXTS:  # byte-level: every string round-trips
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.chat_template == CHATML_TEMPLATE
+
+
+def test_tokenizer_training_is_deterministic(corpus):
+    a = train_tokenizer(corpus[:300], vocab_size=600)
+    b = train_tokenizer(corpus[:300], vocab_size=600)
+    assert a.get_vocab() == b.get_vocab()
+    assert [a.encode(t) for t in corpus[:50]] == [b.encode(t) for t in corpus[:50]]
+
+
+def test_tokenizer_ids_survive_autotokenizer_reload(tokenizer, saved, corpus):
+    from transformers import AutoTokenizer
+
+    _, d = saved
+    reloaded = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    assert type(reloaded).__name__ == "Qwen2Tokenizer"  # what a qwen2 model dir always reloads as
+    assert len(reloaded) == len(tokenizer)
+    assert reloaded.get_vocab() == tokenizer.get_vocab()
+    for text in corpus + EXTRA_TEXTS:
+        assert reloaded.encode(text) == tokenizer.encode(text), text[:80]
+    for conv in conversations(corpus):
+        for gen in (True, False):
+            a = tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            b = reloaded.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)["input_ids"]
+            assert a == b
+    ids = tokenizer.encode("<think>x</think><answer>Up</answer><|im_end|>")
+    assert reloaded.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert (reloaded.eos_token, reloaded.pad_token, reloaded.padding_side) == (
+        "<|im_end|>",
+        "<|endoftext|>",
+        "left",
+    )
+
+
+def test_model_save_load_identical_logits(saved, tokenizer, corpus):
+    model, d = saved
+    loaded, _ = load_policy(d)
+    assert type(loaded).__name__ == "Qwen2ForCausalLM"
+    assert loaded.config.vocab_size == len(tokenizer)
+    assert loaded.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    x = torch.tensor([tokenizer.encode(corpus[2])[:100]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+    # config-driven loading goes through the same path
+    again, _ = policy_from_config(ModelConfig(path=str(d)))
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, loaded(x).logits)
+
+
+def test_seeded_init(tokenizer):
+    state = torch.get_rng_state()
+    a = build_tiny_model(ModelConfig(seed=7, num_layers=1), tokenizer)
+    b = build_tiny_model(ModelConfig(seed=7, num_layers=1), tokenizer)
+    c = build_tiny_model(ModelConfig(seed=8, num_layers=1), tokenizer)
+    assert torch.equal(state, torch.get_rng_state())  # global RNG untouched
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.embed_tokens.weight"], sc["model.embed_tokens.weight"])
+    assert a.lm_head.weight.data_ptr() == a.model.embed_tokens.weight.data_ptr()  # tied
+    n = sum(p.numel() for p in a.parameters())
+    assert n < 1_000_000
+
+
+def test_bad_shape_config(tokenizer):
+    with pytest.raises(ValueError, match="divisible"):
+        build_tiny_model(ModelConfig(hidden_size=130), tokenizer)
+
+
+def test_load_errors(tmp_path, saved):
+    with pytest.raises(ModelNotFoundError, match=r"not found locally.*no downloads here"):
+        load_policy(tmp_path / "missing")
+    with pytest.raises(ModelNotFoundError, match=r"'no-such-org/no-such-model' not found locally.*HF_HOME"):
+        load_policy("no-such-org/no-such-model")
+    # a tokenizer without a chat template
+    model, d = saved
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    tok.chat_template = None
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    tok.save_pretrained(plain)
+    for f in plain.glob("chat_template*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="has no chat_template; set one or use a chat model"):
+        load_policy(plain)
