@@ -99,7 +99,7 @@ def to_table(trajectories: Iterable[Trajectory]) -> pa.Table:
         t.check()
         for name in SCHEMA.names:
             value = getattr(t, name)
-            rows[name].append(json.dumps(value, sort_keys=True) if name == "info" else value)
+            rows[name].append(json.dumps(value, sort_keys=True, default=str) if name == "info" else value)
     return pa.Table.from_pydict(rows, schema=SCHEMA)
 
 

@@ -1,0 +1,234 @@
+"""The multi-turn rollout runner: env groups x a rollout engine -> token-exact trajectories.
+
+Token-in, token-out (architecture.md): a trajectory's training sequence is the prompt tokens the
+policy saw plus the token ids it sampled. Text the policy did not write (chat template, forced
+``<think>``/``<answer>`` prefix, environment feedback) is encoded on its own and masked out of the
+loss; sampled ids are never decoded and re-encoded for training. The text between two assistant
+turns is taken from the tokenizer's own chat template (the difference between consecutive
+renderings), so any chat model whose template is prefix-stable works, and one that is not (e.g. a
+template that rewrites earlier turns) is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ragen_core.env_groups import EnvGroups
+from ragen_core.protocol import Message, forced_prefix
+from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.trajectory import Trajectory
+
+_SPLIT_CODES = {"train": 0, "val": 1}
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be grown turn by turn."""
+
+
+def turn_seed(seed: int, iteration: int, split: str, env_id: int, turn: int) -> int:
+    """Sampling seed of one env's turn: a pure function of the run's seed and the position."""
+    ss = np.random.SeedSequence([seed, iteration, _SPLIT_CODES.get(split, 2), env_id, turn])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(2))
+
+
+@dataclass
+class _Turn:
+    """What the policy sampled in one turn (ids incl. its end-of-turn token if it emitted one)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    closed: bool  # False: cut by max_new_tokens; the runner appends an end-of-turn token
+
+
+@dataclass
+class _Conversation:
+    turns: list[_Turn] = field(default_factory=list)
+
+
+class Segments:
+    """Builds a conversation's tokens from its messages and the sampled turns."""
+
+    def __init__(self, tokenizer: Any, prefix: str) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat_template; "
+                "set one (tokenizer.chat_template = ...) or use a chat model"
+            )
+        self.tok = tokenizer
+        self.prefix = prefix
+        eos = tokenizer.eos_token
+        if eos is None:
+            raise ChatTemplateError("tokenizer has no eos_token (the end-of-turn token); set one")
+        self.eos_text = eos
+        self.eos_id = int(tokenizer.convert_tokens_to_ids(eos))
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self._cache[text] = list(self.tok.encode(text, add_special_tokens=False))
+        return ids
+
+    def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def head(self, messages: Sequence[Message]) -> str:
+        """System + first user message + generation prompt + forced prefix."""
+        return self.render(messages[:2], True) + self.prefix
+
+    def continuation(self, messages: Sequence[Message]) -> str:
+        """Template text after an assistant turn's end-of-turn token, up to the next turn's prefix.
+
+        ``messages`` ends with the user message that follows the assistant message before it.
+        """
+        full = self.render(messages, True) + self.prefix
+        before = self.render(messages[:-1], False)
+        anchor = messages[-2]["content"] + self.eos_text
+        cut = before.rfind(anchor)
+        if cut < 0 or full[: cut + len(anchor)] != before[: cut + len(anchor)]:
+            raise ChatTemplateError(
+                "the chat template is not prefix-stable (rendering one more turn changed earlier "
+                "text), so turns cannot be appended token by token; use a ChatML/Qwen-style template"
+            )
+        return full[cut + len(anchor) :]
+
+    def assemble(
+        self, messages: Sequence[Message], turns: Sequence[_Turn], first_turn: int
+    ) -> tuple[list[int], list[int], list[int], list[float]]:
+        """Tokens, loss mask, turn index and log-probs of ``messages``.
+
+        ``messages`` alternate ``system, user, (assistant, user)*[, assistant]``; the k-th assistant
+        message is ``turns[k]``, which is turn ``first_turn + k`` of the episode (0-based).
+        """
+        ids: list[int] = []
+        mask: list[int] = []
+        turn_idx: list[int] = []
+        logps: list[float] = []
+
+        def add(new: list[int], m: int, t: int, lp: Sequence[float] | None = None) -> None:
+            ids.extend(new)
+            mask.extend([m] * len(new))
+            turn_idx.extend([t] * len(new))
+            logps.extend(lp if lp is not None else [0.0] * len(new))
+
+        add(self.encode(self.head(messages)), 0, first_turn)
+        n_assistant = sum(1 for m in messages if m["role"] == "assistant")
+        if n_assistant != len(turns):
+            raise AssertionError(f"{n_assistant} assistant messages but {len(turns)} sampled turns")
+        for k, turn in enumerate(turns):
+            t = first_turn + k
+            add(turn.ids, 1, t, turn.logprobs)
+            if not turn.closed:
+                add([self.eos_id], 0, t)
+            end = 2 + 2 * k + 2  # messages[: end] ends with the user message after this turn
+            if end <= len(messages):
+                add(self.encode(self.continuation(messages[:end])), 0, t + 1)
+        return ids, mask, turn_idx, logps
+
+
+def run_rollouts(
+    groups: EnvGroups,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    params: SamplingParams,
+    *,
+    seed: int,
+    iteration: int = 0,
+    run_id: str = "",
+) -> list[Trajectory]:
+    """Play one episode in every env of ``groups`` (reset for ``iteration``) and return trajectories.
+
+    Each turn, all live envs generate in one batch; finished envs drop out. Sampling seeds depend
+    only on (seed, iteration, split, env_id, turn), so the same config gives the same tokens.
+    """
+    protocol = groups.protocol
+    prefix = forced_prefix(protocol)
+    seg = Segments(tokenizer, prefix)
+    window = protocol.max_context_window
+    split = groups.mode
+    groups.reset(iteration)
+    convs = {i: _Conversation() for i in groups.env_ids}
+
+    def visible(env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
+        history = groups.history(env_id)
+        n = len(history)
+        if not for_generation:
+            while n and not history[n - 1].played:
+                n -= 1
+        start = max(0, n - window) if window > 0 else 0
+        played = [i for i in range(start, n) if history[i].played]
+        turns = [convs[env_id].turns[i] for i in played]
+        return groups.messages(env_id, for_generation), turns, start
+
+    for turn in range(protocol.max_turn):
+        active = groups.active_ids()
+        if not active:
+            break
+        prompts = []
+        for env_id in active:
+            messages, turns, start = visible(env_id, True)
+            prompts.append(seg.assemble(messages, turns, start)[0])
+        seeds = [turn_seed(seed, iteration, split, env_id, turn) for env_id in active]
+        gens: list[Generation] = engine.generate(prompts, params, seeds)
+        responses = {}
+        for env_id, gen in zip(active, gens, strict=True):
+            ids = list(gen.token_ids)
+            closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
+            convs[env_id].turns.append(_Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed))
+            responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
+        groups.step(responses)
+
+    out = []
+    for ep in groups.trajectories():
+        messages, turns, start = visible(ep.env_id, False)
+        ids, mask, turn_idx, logps = seg.assemble(messages, turns, start)
+        # Transcripts keep what the model actually wrote (the history holds normalised text).
+        raw = [r.raw_response or "" for r in groups.history(ep.env_id) if r.played]
+        shown = [dict(m) for m in messages]
+        k = len(raw) - len(turns)
+        for m in shown:
+            if m["role"] == "assistant":
+                m["content"] = raw[k]
+                k += 1
+        cut_turns = sum(1 for t in convs[ep.env_id].turns if not t.closed)
+        out.append(
+            Trajectory(
+                run_id=run_id,
+                iteration=iteration,
+                split=split,
+                env_tag=ep.tag,
+                group_id=ep.group_id,
+                env_id=ep.env_id,
+                seed=ep.seed,
+                turn_count=ep.turns,
+                success=ep.success,
+                truncated=ep.truncated,
+                reward=ep.reward,
+                format_penalty=ep.format_penalty,
+                score=ep.score,
+                input_ids=ids,
+                loss_mask=mask,
+                turn_index=turn_idx,
+                rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logps, mask, strict=True)],
+                messages=shown,
+                actions=ep.actions,
+                turn_rewards=ep.turn_rewards,
+                info={
+                    "end_reason": ep.end_reason,
+                    "num_actions": ep.num_actions,
+                    "turn_penalties": ep.turn_penalties,
+                    "turns_cut_by_max_new_tokens": cut_turns,
+                    # a turn hit max_new_tokens without its end-of-turn token (RAGEN's clip ratio)
+                    "response_truncated": cut_turns > 0,
+                    "first_trained_turn": start,
+                    "infos": ep.infos,
+                },
+            )
+        )
+    return out
