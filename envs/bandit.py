@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, invalid_step
+from envs.base import Env, StepResult, format_reward, invalid_step
 
 INIT_PROMPT = (
     "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull. \n"
@@ -33,18 +33,6 @@ INIT_PROMPT = (
     "<answer> {name_a} </answer> or <answer> {name_b} </answer>.\n"
 )
 """RAGEN's prompt, byte for byte: trailing spaces after "pull.", "Rules:" and "names.", final newline."""
-
-
-def format_reward(reward: float) -> str:
-    """Reward text shown to the model: at most 2 decimals, at least one (decision 14).
-
-    RAGEN prints the raw float repr (``0.30000000000000004``); we round to 2 decimals but keep one
-    decimal so the common values read as in RAGEN (``1.0``, ``0.0``, ``0.1``, ``0.15``).
-    """
-    text = f"{float(reward):.2f}"
-    if text.endswith("0"):
-        text = text[:-1]
-    return "0.0" if text in ("-0.0", "-0.00") else text
 
 
 class BanditEnv(Env):

@@ -8,6 +8,7 @@ vocabulary in ``actions``; free-text environments (Countdown, MathQA) set it to 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -79,3 +80,20 @@ def invalid_step(observation: str) -> StepResult:
         done=False,
         info={"success": False, "action_is_valid": False, "action_is_effective": False},
     )
+
+
+def format_reward(x: float) -> str:
+    """Reward text shown to the model: at most 2 decimals (decision 14).
+
+    RAGEN printed the raw float repr (``-0.30000000000000004``); we round to 2 decimals and keep
+    Python's float look otherwise (``1.0``, ``-0.3``, ``10.55``). ``-0.0`` prints as ``0.0``.
+    Shared by the environments' feedback text and the protocol's ``Reward:`` lines.
+    """
+    x = float(x)
+    if not math.isfinite(x):
+        return repr(x)
+    r = round(x, 2)
+    if r == 0:
+        return "0.0"
+    s = f"{r:.2f}".rstrip("0")
+    return s + "0" if s.endswith(".") else s

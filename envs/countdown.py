@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from envs.arith import MAX_LENGTH, integers_in, try_evaluate
-from envs.base import Env, StepResult
+from envs.base import Env, StepResult, format_reward
 
 MAX_INTERMEDIATE = 10_000
 """Largest product the generator forms on the way to a target (keeps solutions human-sized)."""
@@ -55,17 +55,6 @@ def _is_control(ch: str) -> bool:
     """C0/C1 control characters other than tab and newlines (NUL, ESC, DEL, ...)."""
     code = ord(ch)
     return (code < 32 or 0x7F <= code <= 0x9F) and ch not in _ALLOWED_CONTROL
-
-
-def format_reward(reward: float) -> str:
-    """Reward text shown to the model: at most 2 decimals, at least one (decision 14).
-
-    Same convention as the other envs (``1.0``, ``0.1``, ``0.0``): RAGEN prints the raw float repr.
-    """
-    text = f"{float(reward):.2f}"
-    if text.endswith("0"):
-        text = text[:-1]
-    return "0.0" if text in ("-0.0", "-0.00") else text
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ after the sampled ones instead of re-rendering (and re-tokenising) the whole con
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, field_validator
+
+from envs.base import format_reward
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -144,22 +145,6 @@ def format_hint(cfg: ProtocolConfig) -> str:
     if cfg.enable_think:
         return "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
     return "<answer> [your answer] </answer>"
-
-
-def format_reward(x: float) -> str:
-    """Reward text shown to the model: at most 2 decimals (decision 14).
-
-    RAGEN printed the raw float repr (``-0.30000000000000004``); we round to 2 decimals and keep
-    Python's float look otherwise (``1.0``, ``-0.3``, ``10.55``). ``-0.0`` prints as ``0.0``.
-    """
-    x = float(x)
-    if not math.isfinite(x):
-        return repr(x)
-    r = round(x, 2)
-    if r == 0:
-        return "0.0"
-    s = f"{r:.2f}".rstrip("0")
-    return s + "0" if s.endswith(".") else s
 
 
 @dataclass
