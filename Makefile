@@ -35,5 +35,8 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# gym-sokoban is a benchmark-only reference (not a dependency): --no-deps, as only its
+# room_utils.py is loaded; when already installed, pip does nothing (no index lookup).
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps gym-sokoban==0.0.6
 	$(BIN)/python benchmarks/envs.py

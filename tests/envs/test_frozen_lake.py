@@ -14,7 +14,9 @@ import envs
 from envs.frozen_lake import (
     ACTIONS,
     FrozenLakeEnv,
+    clear_caches,
     generate_map,
+    has_path,
     optimal_policy,
     policy_action,
     solve,
@@ -40,6 +42,23 @@ def reachable(desc: list[str]) -> bool:
     return False
 
 
+def ragen_map(size: int, p: float, seed: int) -> list[str]:
+    """RAGEN's generator, numpy call for call (the reference our faster generator must equal)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
+        while True:
+            start_r, start_c = rng.integers(0, size), rng.integers(0, size)
+            goal_r, goal_c = rng.integers(0, size), rng.integers(0, size)
+            if (start_r, start_c) != (goal_r, goal_c):
+                break
+        board[start_r][start_c] = "S"
+        board[goal_r][goal_c] = "G"
+        desc = ["".join(row) for row in board.tolist()]
+        if reachable(desc):
+            return desc
+
+
 def gym_env(desc: list[str], is_slippery: bool = True) -> gymnasium.Env:
     return gymnasium.make("FrozenLake-v1", desc=desc, is_slippery=is_slippery).unwrapped
 
@@ -58,6 +77,53 @@ def test_every_map_has_a_path_and_distinct_start_and_goal() -> None:
         assert generate_map(4, 0.8, seed) == desc
     # The map depends on the seed.
     assert len({tuple(generate_map(4, 0.8, s)) for s in range(50)}) > 40
+
+
+@pytest.mark.parametrize(("size", "p", "seeds"), [(4, 0.8, 3000), (2, 0.8, 300), (3, 0.5, 500), (5, 0.95, 300),
+                                                  (6, 0.8, 300), (7, 0.3, 200), (8, 1.0, 100)])
+def test_maps_equal_ragens_numpy_calls(size: int, p: float, seeds: int) -> None:
+    """The generator redoes numpy's ``choice``/``integers`` arithmetic on the raw stream: same maps."""
+    clear_caches()
+    for seed in range(seeds):
+        assert generate_map(size, p, seed) == ragen_map(size, p, seed), (size, p, seed)
+
+
+def test_has_path_equals_bfs_on_random_boards() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        rows, cols = (int(x) for x in rng.integers(1, 7, size=2))
+        cells = rng.choice(list("FFFHG"), size=rows * cols).tolist()
+        cells[int(rng.integers(rows * cols))] = "S"
+        desc = ["".join(cells[r * cols : (r + 1) * cols]) for r in range(rows)]
+        assert has_path(desc) == reachable(desc), desc
+
+
+def test_caches_and_shared_maps_change_nothing() -> None:
+    """Maps and map data are cached and shared between envs; episodes must not notice."""
+    def script(seed: int, k: int) -> list[str]:
+        return [ACTIONS[(seed + k * i + i * i) % 4] for i in range(45)]  # 45: past a raw-output block
+
+    def alone(seed: int, actions: list[str]) -> list[object]:
+        env = FrozenLakeEnv()
+        return [env.reset(seed), *((env.step(a), env.state, env.done) for a in actions)]
+
+    clear_caches()
+    cold = {(seed, k): alone(seed, script(seed, k)) for seed in range(40) for k in (1, 2)}
+    assert cold == {(seed, k): alone(seed, script(seed, k)) for seed in range(40) for k in (1, 2)}
+    clear_caches()
+    a, b = FrozenLakeEnv(), FrozenLakeEnv()  # a group: same seed, one shared map, interleaved steps
+    for seed in range(40):
+        got_a, got_b = [a.reset(seed)], [b.reset(seed)]
+        assert a.desc is b.desc
+        for x, y in zip(script(seed, 1), script(seed, 2), strict=True):
+            got_a.append((a.step(x), a.state, a.done))
+            got_b.append((b.step(y), b.state, b.done))
+        assert (got_a, got_b) == (cold[seed, 1], cold[seed, 2])
+    env = FrozenLakeEnv()
+    env.reset(3)
+    first = env.transition_table()
+    first[0][0].clear()  # a copy: the cached table is untouched
+    assert env.transition_table() == gym_env(env.desc).P
 
 
 @pytest.mark.parametrize("is_slippery", [True, False])

@@ -1,0 +1,208 @@
+"""One pydantic config tree for a ragen-flow run, loaded from YAML with dotted overrides.
+
+Each section is owned by the module that uses it (the protocol, env groups, model, learner); this
+module composes them, adds the rollout and trainer sections, and checks the combinations that only
+make sense together (a group size of 1 with the std filter, a mini-batch larger than the filtered
+batch, ...) so that a bad config fails before any work starts, naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ragen_core.env_groups import EnvGroupsConfig
+from ragen_core.learner import LearnerConfig
+from ragen_core.models import ModelConfig
+from ragen_core.protocol import ProtocolConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key and the fix."""
+
+
+class RolloutConfig(BaseModel):
+    """Generation settings (spec 3.3 and 6.1) and the StarPO-S filter (spec 5.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
+    temperature: float = Field(default=1.0, ge=0.0, description="training rollouts")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 disables")
+    max_new_tokens: int = Field(default=400, ge=1, description="per turn (RAGEN's response_length)")
+    val_temperature: float = Field(default=0.5, ge=0.0, description="validation rollouts")
+    filter_ratio: float = Field(default=0.25, gt=0.0, le=1.0, description="fraction of groups kept")
+    filter_type: Literal["std", "std_rev"] = Field(default="std", description="keep highest / lowest std")
+    max_batch_size: int | None = Field(default=None, ge=1, description="engine micro-batch (memory only)")
+    max_model_len: int | None = Field(default=None, ge=16, description="prompt + generation limit")
+    gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0, description="vLLM")
+    enforce_eager: bool = Field(default=True, description="vLLM: no CUDA graphs")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM")
+
+
+class TrainerConfig(BaseModel):
+    """The iteration loop and where its state goes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: str = Field(default="ragen-flow", description="MLflow experiment")
+    run_name: str | None = Field(default=None, description="default: <config name>-<hash>")
+    iterations: int = Field(default=200, ge=0, description="rollout-update iterations")
+    eval_every: int = Field(default=10, ge=0, description="validate every k iterations (0: only at the ends)")
+    val_before_train: bool = Field(default=True)
+    seed: int = Field(default=0, description="the run's seed: sampling, shuffles, inits")
+    run_root: str = Field(default=".state/runs", description="run directories live here")
+
+
+class RagenConfig(BaseModel):
+    """A whole run. Defaults are RAGEN's base.yaml (StarPO-S, Sokoban, Qwen2.5-0.5B aside)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    agent: ProtocolConfig = Field(default_factory=ProtocolConfig)
+    train: EnvGroupsConfig = Field(
+        default_factory=lambda: EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[8], group_size=16)
+    )
+    val: EnvGroupsConfig = Field(
+        default_factory=lambda: EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[256], group_size=1)
+    )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> RagenConfig:
+        g, r, algo = self.train, self.rollout, self.learner.algorithm
+        if g.group_size == 1 and r.filter_ratio < 1.0:
+            raise ValueError(
+                "train.group_size=1 has no in-group reward variance for the StarPO-S filter; set "
+                "rollout.filter_ratio=1 or train.group_size>=2"
+            )
+        if g.group_size == 1 and algo.adv_estimator in ("grpo", "rloo"):
+            raise ValueError(
+                f"learner.algorithm.adv_estimator={algo.adv_estimator} needs train.group_size>=2 "
+                "(its baseline is the group)"
+            )
+        kept_groups = max(1, int(r.filter_ratio * g.num_groups + 0.5))
+        kept = kept_groups * g.group_size
+        mb = self.learner.optim.mini_batch_size
+        if mb > kept:
+            raise ValueError(
+                f"learner.optim.mini_batch_size={mb} is larger than the filtered batch ({kept} = "
+                f"{kept_groups} kept groups x {g.group_size}); lower learner.optim.mini_batch_size to "
+                f"<= {kept} or raise rollout.filter_ratio / train.n_groups"
+            )
+        return self
+
+    @property
+    def filtered_batch_size(self) -> int:
+        return max(1, int(self.rollout.filter_ratio * self.train.num_groups + 0.5)) * self.train.group_size
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: {k} is not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` -> nested dict; values are YAML (numbers, lists, null, ...)."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. --set learner.algorithm.clip_high=0.28)")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = RagenConfig
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _explain(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not isinstance(p, int))
+        key = ".".join(str(p) for p in loc) or "(config)"
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
+            hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+            lines.append(f"{key}: unknown key{hint}")
+        elif not loc:  # a cross-field check: its message names the keys
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})"[:400])
+    return ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines))
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RagenConfig:
+    """Load a YAML config (or the defaults) and apply ``KEY=VALUE`` overrides."""
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        source = str(p)
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        return RagenConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc, source) from None
+
+
+def config_hash(cfg: RagenConfig) -> str:
+    """A short stable digest of everything that changes results (names cache keys and runs)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def flatten(cfg: RagenConfig | Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys -> string values, e.g. for MLflow params."""
+    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, str] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, list | dict) else str(v)
+    return out
+
+
+def dump_config(cfg: RagenConfig, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return p
