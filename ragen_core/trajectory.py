@@ -176,6 +176,9 @@ class TokenBatch:
     rollout_logprobs: torch.Tensor  # (B, L) float32, 0 outside the loss mask
     scores: torch.Tensor  # (B,) float32
     group_ids: torch.Tensor  # (B,) int64
+    #: (B, K) float32: env reward + format penalty of each *trained* assistant turn, 0-padded
+    #: (bi-level GAE; column k is the k-th trained turn of the row)
+    turn_scores: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -204,4 +207,18 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
         rollout_logprobs=_pad(cols["rollout_logprobs"], length, torch.float32),
         scores=torch.tensor(cols["score"], dtype=torch.float32),
         group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
+        turn_scores=_turn_scores(cols) if "turn_rewards" in cols else None,
     )
+
+
+def _turn_scores(cols: Mapping[str, Sequence[Any]]) -> torch.Tensor:
+    """Per trained turn: its env reward plus its format penalty (turns outside the context window
+    were not trained and are left out)."""
+    rows = []
+    for rewards, info in zip(cols["turn_rewards"], cols.get("info") or [None] * len(cols["turn_rewards"]),
+                             strict=True):
+        meta = json.loads(info) if isinstance(info, str) and info else (info or {})
+        penalties = meta.get("turn_penalties") or [0.0] * len(rewards)
+        first = int(meta.get("first_trained_turn", 0))
+        rows.append([r + p for r, p in zip(rewards, penalties, strict=True)][first:])
+    return _pad(rows, max((len(r) for r in rows), default=0), torch.float32)

@@ -1,0 +1,168 @@
+"""Learner step throughput against a bare PyTorch training loop on the same model and tokens.
+
+Model: ``Qwen2ForCausalLM`` hidden 128, 2 layers, 4 heads, 2 KV heads, tied embeddings, vocab 2048
+(the tiny model of platform-notes.md); batch 32 sequences x 256 tokens, 200 of them trained
+(loss mask), one group per 8 sequences.
+
+Accounting. The learner does several model passes per step; the bare loop measures each kind of
+pass once, in the same run, on the same tokens and the same micro-batches (``--micro`` sequences):
+
+- ``F``: a no-grad forward of the policy with the sampled-token log-prob gather (old log-probs);
+- ``T``: one training pass: forward, log-prob gather, masked token-mean loss, backward over all
+  micro-batches, one AdamW step (``torch.optim.AdamW``, no clipping, no entropy, no PPO terms);
+- ``Fc`` / ``Tc``: the same for the critic (backbone copy + scalar head, MSE loss).
+
+GRPO (no critic, no reference) must do F + T; PPO with a critic must do F + Fc + Tc + T. The ratio
+is ``(sum of the bare times of those passes) / (learner step time)``: 1.0 means the learner adds
+nothing to the passes it has to make; the target is >= 0.8. Everything the learner adds (entropy
+over the vocabulary, the clipped surrogate, GAE, whitening, gradient clipping, metrics, checks)
+counts against it. Each time is the best of ``--reps`` interleaved repetitions after a warm-up (on a
+shared machine, contention only ever adds time; the medians are printed too).
+
+Usage: ``python benchmarks/learner.py [--reps 5] [--threads N] [--micro 8]``. The last lines read
+``BENCH <name> ratio=<x> target=>=0.8 PASS|MISS``; the peak RSS of the process is printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ragen_core.learner import AlgorithmConfig, Learner, LearnerConfig, OptimConfig, ValueModel
+from ragen_core.trajectory import TokenBatch
+
+TARGET = 0.8
+
+
+def build_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def build_batch(n: int = 32, length: int = 256, trained: int = 200, seed: int = 0) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2048, (n, length), generator=g)
+    loss_mask = torch.zeros(n, length)
+    loss_mask[:, length - trained :] = 1
+    return TokenBatch(
+        input_ids=ids, attention_mask=torch.ones(n, length, dtype=torch.long), loss_mask=loss_mask,
+        turn_index=(loss_mask > 0).long(), rollout_logprobs=-torch.rand(n, length, generator=g) * loss_mask,
+        scores=torch.rand(n, generator=g), group_ids=torch.arange(n) // 8,
+    )
+
+
+def _logp(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def bare_passes(batch: TokenBatch, micro: int) -> dict[str, Callable[[], None]]:
+    """The four bare passes on their own models and optimisers (same sizes as the learner's)."""
+    policy = build_model()
+    critic = ValueModel(build_model().base_model, 128)
+    opt_p = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.01)
+    opt_c = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.01)
+    ids, mask = batch.input_ids, batch.loss_mask[:, 1:]
+    chunks = [(s, min(s + micro, len(ids))) for s in range(0, len(ids), micro)]
+    n_tok = mask.sum()
+
+    @torch.no_grad()
+    def forward() -> None:
+        for a, b in chunks:
+            _logp(policy, ids[a:b])
+
+    @torch.no_grad()
+    def forward_critic() -> None:
+        for a, b in chunks:
+            critic(ids[a:b])
+
+    def train() -> None:
+        opt_p.zero_grad(set_to_none=True)
+        for a, b in chunks:
+            loss = -(_logp(policy, ids[a:b]) * mask[a:b]).sum() / n_tok
+            loss.backward()
+        opt_p.step()
+
+    def train_critic() -> None:
+        opt_c.zero_grad(set_to_none=True)
+        for a, b in chunks:
+            v = critic(ids[a:b])[:, :-1]
+            loss = 0.5 * ((v - 1.0) ** 2 * mask[a:b]).sum() / n_tok
+            loss.backward()
+        opt_c.step()
+
+    return {"F": forward, "Fc": forward_critic, "T": train, "Tc": train_critic}
+
+
+def learner_step(batch: TokenBatch, estimator: str, micro: int) -> Callable[[], None]:
+    cfg = LearnerConfig(
+        algorithm=AlgorithmConfig(adv_estimator=estimator),
+        optim=OptimConfig(mini_batch_size=len(batch), micro_batch_size=micro),
+    )
+    learner = Learner(build_model(), cfg)
+    return lambda: learner.step(batch)
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--micro", type=int, default=8, help="sequences per micro-batch (learner and bare)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch = build_batch()
+    tokens = int(batch.attention_mask.sum())
+    bare = bare_passes(batch, args.micro)
+    learners = {"grpo": learner_step(batch, "grpo", args.micro), "ppo_critic": learner_step(batch, "gae", args.micro)}
+    passes = {"grpo": ["F", "T"], "ppo_critic": ["F", "Fc", "Tc", "T"]}
+    print(f"model: Qwen2 hidden 128 x 2 layers, vocab 2048; batch {len(batch)} x {batch.input_ids.shape[1]} "
+          f"tokens; micro-batch {args.micro}; torch threads {torch.get_num_threads()}")
+
+    times: dict[str, list[float]] = {k: [] for k in [*bare, *learners]}
+    for rep in range(args.reps + 1):  # rep 0 warms up
+        for name, fn in [*bare.items(), *learners.items()]:
+            t = timed(fn)
+            if rep:
+                times[name].append(t)
+    best = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in bare:
+        print(f"bare {k:>2}: {best[k]:.3f} s (median {med[k]:.3f})  {tokens / best[k]:,.0f} tokens/s")
+    results = []
+    for name, needed in passes.items():
+        expected = sum(best[p] for p in needed)
+        ratio = expected / best[name]
+        print(f"learner {name}: {best[name]:.3f} s/step (median {med[name]:.3f})  {tokens / best[name]:,.0f} "
+              f"tokens/s; bare passes {' + '.join(needed)} = {expected:.3f} s; median ratio "
+              f"{sum(med[p] for p in needed) / med[name]:.2f}")
+        results.append((f"learner_{name}", ratio))
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak RSS {peak_mb:,.0f} MB")
+    for name, ratio in results:
+        print(f"BENCH {name} ratio={ratio:.2f} target=>={TARGET:g} {'PASS' if ratio >= TARGET else 'MISS'}")
+
+
+if __name__ == "__main__":
+    main()
