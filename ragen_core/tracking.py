@@ -1,0 +1,624 @@
+"""MLflow tracking for ragen-flow: one MLflow run per training run, batched, resumable, fail-fast.
+
+This is the only module that imports ``mlflow`` (architecture rule), and it imports it lazily, so
+that reading a ``TrackingConfig`` costs nothing.
+
+Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
+environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:
+``sqlite:///<state_dir>/mlflow.db`` with artifacts in ``<state_dir>/mlartifacts/<experiment>``
+(never MLflow's own default, which drops ``mlflow.db`` in the working directory). Browse it with
+``mlflow ui --backend-store-uri sqlite:///<state_dir>/mlflow.db``. A remote server
+(``http(s)://``) is probed once (``GET /health``) within ``connect_timeout_s``; an unreachable
+one fails at once with the address and the fix, instead of MLflow's retry loop (7 retries with
+exponential backoff, minutes).
+
+What a run holds:
+
+* params -- the flattened config (``flatten_params``), sent 100 per ``log_batch`` (MLflow's
+  limit), values cut at 6,000 characters (the full config is an artifact). On resume, keys already
+  present are skipped; a key whose value changed is *not* re-logged (MLflow forbids changing a
+  param) and is listed in the tag ``ragen.resume.changed_params``.
+* metrics -- ``log_iteration(step, metrics)``: one ``log_batch`` per iteration (chunks of 1,000
+  if larger) with every finite metric at ``step`` plus the marker metric ``iteration = step``,
+  sent last. A step that already has the marker is not logged again (returns False), so a resumed
+  run never double-logs. Non-finite values (NaN, inf, None) are skipped and counted in
+  ``tracking/skipped_nonfinite`` (MLflow itself would store NaN and clamp inf to 1.8e308, which
+  spoils the plots). Characters MLflow refuses in names are replaced (``metric_key``:
+  ``pass@16`` -> ``pass_at_16``).
+* artifacts -- files and folders (``log_artifact(s)``), sample transcripts per iteration
+  (``transcripts/iter_XXXX.json``, plus one table ``transcripts.json`` appended with
+  ``log_table`` for the UI's table view; one table path only, because ``log_table`` lists every
+  table in a tag whose length is limited), and paper-style plots (``log_plots``: PNG under
+  ``plots/``).
+
+Failures are never silent: a ``log_batch`` that fails raises ``TrackingError`` naming the run, the
+step and the store. The pipeline writes each iteration's ``metrics.json`` into the run directory
+*before* logging, so after fixing the store a resumed run (same ``run_id``) re-logs the missing
+iterations: ``log_iteration`` skips the steps that are already there. Mid-run HTTP retries follow
+MLflow's own settings (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
+``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``), which ride out a short server restart.
+
+Log from one process per run (SQLite locks under concurrent writers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import ssl
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mlflow.tracking import MlflowClient
+
+MAX_PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
+MAX_METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
+MAX_PARAM_VALUE_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
+MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
+ITERATION_KEY = "iteration"
+SKIPPED_KEY = "tracking/skipped_nonfinite"
+PARENT_TAG = "mlflow.parentRunId"
+CHANGED_PARAMS_TAG = "ragen.resume.changed_params"
+TABLE_STEP_TAG = "ragen.transcripts_table_step"
+TRANSCRIPTS_TABLE = "transcripts.json"
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or refused a write; the message names the store and the fix."""
+
+
+class TrackingConfig(BaseModel):
+    """Where and what a run logs to MLflow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI; None: $MLFLOW_TRACKING_URI, else sqlite:///<state_dir>/mlflow.db "
+        "with artifacts in <state_dir>/mlartifacts",
+    )
+    experiment: str = Field(default="ragen-flow", min_length=1, description="MLflow experiment name")
+    log_artifacts: bool = Field(
+        default=True, description="upload artifacts (files, transcripts, plots); False: metrics/params/tags only"
+    )
+    transcripts_per_iteration: int = Field(default=4, ge=0, description="sample transcripts kept per iteration")
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+def resolve_tracking_uri(cfg: TrackingConfig, state_dir: str | os.PathLike[str]) -> str:
+    """The config's URI, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<abs state_dir>/mlflow.db``."""
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(Path(state_dir).resolve() / 'mlflow.db').as_posix()}"
+
+
+_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def metric_key(name: str) -> str:
+    """A name MLflow accepts for a metric, param or tag: ``@`` -> ``_at_``, any other character
+    outside ``[A-Za-z0-9_./ :-]`` -> ``_``, no empty / ``.`` / ``..`` path parts, at most 250 chars."""
+    key = _BAD_CHARS.sub("_", str(name).replace("@", "_at_"))
+    parts = [p for p in key.split("/") if p not in ("", ".", "..")]
+    key = "/".join(parts) or "_"
+    return key[:MAX_KEY_LEN]
+
+
+def _param_value(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, Path):
+        return v.as_posix()
+    try:
+        return json.dumps(v, sort_keys=True, default=str)
+    except (TypeError, ValueError):  # pragma: no cover - default=str makes this rare
+        return str(v)
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested mappings -> dotted keys (``learner.algorithm.clip_high``); leaves as strings (strings
+    as they are, everything else as JSON: ``true``, ``null``, ``[1, 2]``)."""
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(flatten_params(v, key))
+        else:
+            out[key] = _param_value(v)
+    return out
+
+
+def _cut(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+def _chunks(items: list[Any], n: int) -> Iterable[list[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _probe_http(uri: str, timeout_s: float) -> None:
+    """Raise ``TrackingError`` unless an HTTP server answers at ``uri`` within ``timeout_s``."""
+    url = uri.rstrip("/") + "/health"
+    fix = (
+        "start it (`MLFLOW_DISABLE_TELEMETRY=true mlflow server --workers 1 --host 127.0.0.1 --port <port>`), "
+        "or unset MLFLOW_TRACKING_URI / tracking.tracking_uri to use the local store in the state folder"
+    )
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # the server answered (auth, proxy prefix, ...): reachable; MLflow reports the rest
+    except urllib.error.URLError as e:
+        reason: Any = e.reason
+    except OSError as e:  # timeouts, resets (TimeoutError, ConnectionError are OSErrors)
+        reason = e
+    if isinstance(reason, ssl.SSLError):
+        return  # something answered TLS; certificate policy (MLFLOW_TRACKING_INSECURE_TLS, ...) is MLflow's call
+    if isinstance(reason, ConnectionRefusedError):
+        why = "connection refused"
+    elif isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
+        why = f"no answer within {timeout_s:g} s"
+    elif isinstance(reason, socket.gaierror):
+        why = "host name not found"
+    else:
+        why = str(reason)
+    raise TrackingError(f"MLflow tracking server {uri} unreachable ({why}); {fix}")
+
+
+def _ema(values: list[float], weight: float = 0.6) -> list[float]:
+    out: list[float] = []
+    acc: float | None = None
+    for v in values:
+        acc = v if acc is None else weight * acc + (1 - weight) * v
+        out.append(acc)
+    return out
+
+
+# ---------------------------------------------------------------------------- plots
+_SUCCESS_RE = re.compile(r"^(val-env|train)/([^/]+)/success$")
+_PANELS: list[tuple[str, str, list[str]]] = [
+    # (file stem, title, metric keys)
+    ("in_group_std", "In-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
+    ("entropy", "Entropy", ["actor/entropy"]),
+    ("grad_norm", "Gradient norm (pre-clip)", ["actor/grad_norm", "critic/grad_norm"]),
+    ("response_length", "Response length (tokens)", ["response_length/mean"]),
+]
+
+
+def _draw(
+    ax: Any,
+    series: Mapping[str, list[tuple[int, float]]],
+    markers: Mapping[str, int],
+    smooth: bool = True,
+    label_markers: bool = True,
+) -> None:
+    for i, (label, pts) in enumerate(sorted(series.items())):
+        xs = [s for s, _ in pts]
+        ys = [v for _, v in pts]
+        color = f"C{i % 10}"
+        if smooth and len(pts) >= 4:
+            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
+            ax.plot(xs, _ema(ys), color=color, linewidth=1.8, label=label)
+        else:
+            ax.plot(xs, ys, color=color, marker="o" if len(pts) < 30 else None, markersize=3,
+                    linewidth=1.5, label=label)
+    for j, (name, step) in enumerate(sorted(markers.items(), key=lambda kv: kv[1])):
+        ax.axvline(step, color="k", linestyle=("--", ":", "-.")[j % 3], linewidth=1,
+                   label=f"{name} @ {step}" if label_markers else None)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def render_plots(
+    history: Mapping[str, list[tuple[int, float]]],
+    out_dir: str | os.PathLike[str],
+    markers: Mapping[str, int] | None = None,
+    title: str | None = None,
+) -> list[Path]:
+    """Paper-style curves (RAGEN Fig. 5 / 6 / 11) from metric histories, as PNG files in ``out_dir``:
+    ``success.png`` (per env tag, validation and training), ``in_group_std.png``, ``entropy.png``,
+    ``grad_norm.png``, ``response_length.png`` and ``overview.png`` (all panels). As in the paper
+    (B.3), success is drawn raw and the other curves as an EMA over the faint raw values. ``markers`` (name -> step) draw
+    vertical lines, e.g. Echo-Trap signal onsets. Panels without data are left out. Uses the Agg
+    canvas directly: no pyplot, no global backend switch."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hist = {metric_key(k): v for k, v in history.items() if v}
+    markers = dict(markers or {})
+    panels: list[tuple[str, str, dict[str, list[tuple[int, float]]]]] = []
+    for split, label in (("val-env", "Validation success"), ("train", "Training success")):
+        ser = {m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split}
+        if ser:
+            panels.append((f"success_{split}", label, ser))
+    for stem, label, keys in _PANELS:
+        ser = {k: hist[k] for k in keys if k in hist}
+        if ser:
+            panels.append((stem, label, ser))
+
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        FigureCanvasAgg(fig)
+        path = out / name
+        fig.savefig(path, dpi=110)
+        written.append(path)
+
+    success = [p for p in panels if p[0].startswith("success_")]
+    if success:
+        fig = Figure(figsize=(6 * len(success), 4), layout="constrained")
+        for i, (_, label, ser) in enumerate(success):
+            ax = fig.add_subplot(1, len(success), i + 1)
+            _draw(ax, ser, markers, smooth=False, label_markers=i == 0)
+            ax.set_title(label)
+            ax.set_ylabel("success rate")
+        if title:
+            fig.suptitle(title)
+        save(fig, "success.png")
+    for stem, label, ser in panels:
+        if stem.startswith("success_"):
+            continue
+        fig = Figure(figsize=(6, 4), layout="constrained")
+        ax = fig.add_subplot(1, 1, 1)
+        _draw(ax, ser, markers)
+        ax.set_title(label if not title else f"{title}: {label}")
+        save(fig, f"{stem}.png")
+    if panels:
+        ncol = min(3, len(panels))
+        nrow = math.ceil(len(panels) / ncol)
+        fig = Figure(figsize=(5 * ncol, 3.6 * nrow), layout="constrained")
+        for i, (stem, label, ser) in enumerate(panels):
+            ax = fig.add_subplot(nrow, ncol, i + 1)
+            _draw(ax, ser, markers, smooth=not stem.startswith("success_"), label_markers=i == 0)
+            ax.set_title(label)
+        if title:
+            fig.suptitle(title)
+        save(fig, "overview.png")
+    return written
+
+
+# ---------------------------------------------------------------------------- tracker
+class Tracker:
+    """One MLflow run, from one process: ``start`` (or resume), ``log_iteration`` per iteration,
+    artifacts, tags, ``end``. Also a context manager that ends the run FAILED on an exception."""
+
+    def __init__(self, cfg: TrackingConfig, state_dir: str | os.PathLike[str]) -> None:
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.cfg = cfg
+        self.state_dir = Path(state_dir)
+        self.tracking_uri = resolve_tracking_uri(cfg, state_dir)
+        self.run_id: str | None = None
+        self._logged_steps: set[int] = set()
+        self._table_step: int | None = None
+        scheme = urllib.parse.urlparse(self.tracking_uri).scheme
+        if scheme in ("http", "https"):
+            _probe_http(self.tracking_uri, cfg.connect_timeout_s)
+        elif scheme == "sqlite":
+            db = self.tracking_uri[len("sqlite:///") :]
+            if db and db != ":memory:":
+                Path(db).parent.mkdir(parents=True, exist_ok=True)
+        self._scheme = scheme
+        from mlflow.tracking import MlflowClient
+
+        self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+
+    # ------------------------------------------------------------------ run lifecycle
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.run_id is not None:
+            self.end("FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED"))
+
+    def _store_error(self, what: str, e: Exception) -> TrackingError:
+        return TrackingError(f"MLflow ({self.tracking_uri}) failed to {what}: {type(e).__name__}: {e}")
+
+    def _artifact_location(self) -> str | None:
+        if self._scheme in ("http", "https"):
+            return None  # the server's --artifacts-destination / --default-artifact-root
+        if self._scheme == "sqlite":
+            db = self.tracking_uri[len("sqlite:///") :]
+            root = Path(db).resolve().parent if db and db != ":memory:" else self.state_dir.resolve()
+        else:
+            root = self.state_dir.resolve()
+        return (root / "mlartifacts" / metric_key(self.cfg.experiment).replace("/", "_")).as_uri()
+
+    def _experiment_id(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        name = self.cfg.experiment
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self.client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=self._artifact_location())
+        except MlflowException:  # created meanwhile by another process (a parallel sweep member)
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def start(
+        self,
+        run_name: str,
+        params: Mapping[str, Any],
+        tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+    ) -> str:
+        """Create the run (or resume ``run_id``: same id, status back to RUNNING) and log ``params``
+        (nested mappings are flattened) and ``tags``. ``parent_run_id`` nests it under a sweep's
+        parent run. Returns the run id."""
+        from mlflow.entities import Param
+
+        if self.run_id is not None:
+            raise RuntimeError(f"Tracker already holds run {self.run_id}; call end() first")
+        tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        try:
+            if parent_run_id is not None:
+                try:
+                    self.client.get_run(parent_run_id)
+                except Exception as e:
+                    raise TrackingError(
+                        f"parent run {parent_run_id} not found in {self.tracking_uri}: {e}"
+                    ) from None
+                tags[PARENT_TAG] = parent_run_id
+            existing: dict[str, str] = {}
+            if run_id is not None:
+                try:
+                    run = self.client.get_run(run_id)
+                except Exception as e:
+                    raise TrackingError(
+                        f"cannot resume MLflow run {run_id}: not found in {self.tracking_uri} ({e}); "
+                        "start a new run (no run id) or point tracking_uri at the store that holds it"
+                    ) from None
+                existing = dict(run.data.params)
+                self.client.update_run(run_id, status="RUNNING")
+                self._logged_steps = {
+                    int(m.step) for m in self.client.get_metric_history(run_id, ITERATION_KEY)
+                }
+                t = run.data.tags.get(TABLE_STEP_TAG)
+                self._table_step = int(t) if t is not None else None
+            else:
+                exp_id = self._experiment_id()
+                run = self.client.create_run(exp_id, run_name=run_name)
+                run_id = run.info.run_id
+                self._logged_steps = set()
+                self._table_step = None
+        except TrackingError:
+            raise
+        except Exception as e:
+            raise self._store_error(f"start run {run_name!r}", e) from e
+        self.run_id = run_id
+
+        flat = {metric_key(k): _cut(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
+        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
+        new = [Param(k, v) for k, v in flat.items() if k not in existing]
+        try:
+            for chunk in _chunks(new, MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(run_id, params=chunk, synchronous=True)
+        except Exception as e:
+            raise self._store_error(f"log params of run {run_id}", e) from e
+        if changed:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "resumed run %s: params changed since it started (kept the first values): %s", run_id, changed
+            )
+            tags[CHANGED_PARAMS_TAG] = ",".join(changed)
+        if tags:
+            self.set_tags(tags)
+        return run_id
+
+    def _require_run(self) -> str:
+        if self.run_id is None:
+            raise RuntimeError("no MLflow run: call Tracker.start() first")
+        return self.run_id
+
+    def end(self, status: RunStatus = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED and release it (the Tracker can start another)."""
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"status must be FINISHED, FAILED or KILLED, not {status!r}")
+        run_id = self._require_run()
+        try:
+            self.client.set_terminated(run_id, status=status)
+        except Exception as e:
+            raise self._store_error(f"end run {run_id}", e) from e
+        self.run_id = None
+
+    # ------------------------------------------------------------------ metrics, tags
+    def log_iteration(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Log one iteration's metrics at ``step`` in one ``log_batch``; False (and nothing logged)
+        when this run already has iteration ``step``."""
+        from mlflow.entities import Metric
+
+        run_id = self._require_run()
+        step = int(step)
+        if step in self._logged_steps:
+            return False
+        ts = int(time.time() * 1000)
+        values: dict[str, float] = {}
+        origin: dict[str, str] = {}
+        skipped: list[str] = []
+        for name, raw in metrics.items():
+            key = metric_key(name)
+            if key in origin and origin[key] != name:
+                raise ValueError(f"metric names {origin[key]!r} and {name!r} both map to MLflow key {key!r}")
+            origin[key] = name
+            try:
+                v = float(raw) if raw is not None else math.nan
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {name!r} at step {step} is not a number: {raw!r}") from None
+            if math.isfinite(v):
+                values[key] = v
+            else:
+                skipped.append(name)
+        if skipped:
+            values[SKIPPED_KEY] = float(len(skipped))
+        values.pop(ITERATION_KEY, None)
+        batch = [Metric(k, v, ts, step) for k, v in values.items()]
+        batch.append(Metric(ITERATION_KEY, float(step), ts, step))  # the marker goes last
+        try:
+            for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
+                self.client.log_batch(run_id, metrics=chunk, synchronous=True)
+        except Exception as e:
+            raise TrackingError(
+                f"MLflow ({self.tracking_uri}) failed to log iteration {step} of run {run_id} "
+                f"({len(batch)} metrics): {type(e).__name__}: {e}. The iteration's metrics.json in the run "
+                "directory keeps them; fix the store and resume the run to re-log them."
+            ) from e
+        if skipped:
+            import logging
+
+            logging.getLogger(__name__).warning("step %d: skipped non-finite metrics %s", step, skipped)
+        self._logged_steps.add(step)
+        return True
+
+    @property
+    def logged_steps(self) -> set[int]:
+        """Iterations this run already has (its ``iteration`` marker)."""
+        return set(self._logged_steps)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        """Set (or overwrite) run tags, 100 per batch; values cut at 8,000 characters."""
+        from mlflow.entities import RunTag
+
+        run_id = self._require_run()
+        items = [RunTag(metric_key(k), _cut(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()]
+        try:
+            for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(run_id, tags=chunk, synchronous=True)
+        except Exception as e:
+            raise self._store_error(f"set tags on run {run_id}", e) from e
+
+    def history(self, keys: Iterable[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+        """Metric series ``{key: [(step, value), ...]}`` sorted by step (one value per step: the last
+        logged). ``keys`` may use the original names (``pass@16``); None: every metric of the run.
+        Keys the run does not have are left out."""
+        run_id = self._require_run()
+        return self._history(run_id, keys)
+
+    def _history(self, run_id: str, keys: Iterable[str] | None) -> dict[str, list[tuple[int, float]]]:
+        try:
+            if keys is None:
+                wanted = {k: k for k in self.client.get_run(run_id).data.metrics}
+            else:
+                wanted = {k: metric_key(k) for k in keys}
+            out: dict[str, list[tuple[int, float]]] = {}
+            for name, key in wanted.items():
+                pts = self.client.get_metric_history(run_id, key)
+                if not pts:
+                    continue
+                by_step: dict[int, tuple[int, float]] = {}
+                for m in pts:
+                    prev = by_step.get(int(m.step))
+                    if prev is None or m.timestamp >= prev[0]:
+                        by_step[int(m.step)] = (m.timestamp, float(m.value))
+                out[name] = [(s, v) for s, (_, v) in sorted(by_step.items())]
+            return out
+        except Exception as e:
+            raise self._store_error(f"read metric history of run {run_id}", e) from e
+
+    # ------------------------------------------------------------------ artifacts
+    def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Upload one file (no-op when ``log_artifacts`` is off)."""
+        run_id = self._require_run()
+        if not self.cfg.log_artifacts:
+            return
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"artifact {p} does not exist or is not a file")
+        try:
+            self.client.log_artifact(run_id, str(p), artifact_path)
+        except Exception as e:
+            raise self._store_error(f"upload {p} to run {run_id}", e) from e
+
+    def log_artifacts(self, local_dir: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+        """Upload a folder's contents under ``artifact_path`` (no-op when ``log_artifacts`` is off)."""
+        run_id = self._require_run()
+        if not self.cfg.log_artifacts:
+            return
+        p = Path(local_dir)
+        if not p.is_dir():
+            raise FileNotFoundError(f"artifact folder {p} does not exist")
+        try:
+            self.client.log_artifacts(run_id, str(p), artifact_path)
+        except Exception as e:
+            raise self._store_error(f"upload {p} to run {run_id}", e) from e
+
+    def log_transcripts(self, rows: list[dict[str, Any]], step: int) -> None:
+        """Keep the first ``transcripts_per_iteration`` rows of iteration ``step``: as
+        ``transcripts/iter_XXXX.json`` (rows as JSON, overwritten on a re-log) and appended to the
+        run's table ``transcripts.json`` (a ``step`` column; nested values as JSON strings) unless
+        that table already has this step."""
+        run_id = self._require_run()
+        n = self.cfg.transcripts_per_iteration
+        if not self.cfg.log_artifacts or n == 0 or not rows:
+            return
+        rows = [dict(r) for r in rows[:n]]
+        step = int(step)
+        with tempfile.TemporaryDirectory(prefix="ragen-transcripts-") as tmp:
+            f = Path(tmp) / f"iter_{step:04d}.json"
+            f.write_text(json.dumps({"step": step, "rows": rows}, indent=1, default=str, ensure_ascii=False))
+            self.log_artifact(f, "transcripts")
+        if self._table_step is not None and step <= self._table_step:
+            return
+        cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        for k in names:
+            cols[str(k)] = [
+                v if isinstance(v, str | int | float | bool) or v is None else json.dumps(v, default=str, ensure_ascii=False)
+                for v in (r.get(k) for r in rows)
+            ]
+        try:
+            with warnings.catch_warnings():  # MLflow's log_table trips pandas 3 deprecation warnings
+                warnings.simplefilter("ignore", DeprecationWarning)
+                warnings.simplefilter("ignore", FutureWarning)
+                self.client.log_table(run_id, data=cols, artifact_file=TRANSCRIPTS_TABLE)
+        except Exception as e:
+            raise self._store_error(f"append transcripts of step {step} to run {run_id}", e) from e
+        self._table_step = step
+        self.set_tags({TABLE_STEP_TAG: str(step)})
+
+    def log_plots(
+        self,
+        out_dir: str | os.PathLike[str],
+        markers: Mapping[str, int] | None = None,
+        title: str | None = None,
+    ) -> list[Path]:
+        """Draw the paper-style curves from this run's metric history into ``out_dir`` (see
+        ``render_plots``) and upload them under ``plots/``. Returns the PNG paths."""
+        run_id = self._require_run()
+        hist = self._history(run_id, None)
+        paths = render_plots(hist, out_dir, markers=markers, title=title)
+        for p in paths:
+            self.log_artifact(p, "plots")
+        return paths
