@@ -1,0 +1,546 @@
+"""Supervised warm start (SFT) on oracle demonstrations, in exactly the rollout token layout.
+
+A tiny randomly initialised policy cannot produce ``<think>...</think><answer>A || B</answer>`` on its
+own, so RL from scratch would only ever see format penalties. The warm start teaches the format (and
+some of the task) by imitation, as RAGEN's appendix C compares SFT with RL:
+
+1. **Demonstrations.** :func:`build_demonstrations` plays :class:`~ragen_core.env_groups.EnvGroups`
+   episodes (mode ``"train"``, seeds from :attr:`SFTConfig.demo_seed`, far from the validation seeds
+   ``123 + i`` and the RL train seeds ``10000 + iteration * P + i``). Each turn's answer is the
+   oracle's next actions (:func:`envs.oracles.oracle_actions`) or, with probability
+   ``1 - optimal_fraction``, random actions from the env's vocabulary (see :class:`SFTConfig`), written
+   as the model would write it after the forced prefix: ``{think}</think><answer>A || B</answer>``
+   (no-think mode: ``A || B</answer>``), where ``think`` is a short deterministic sentence about the
+   state (:func:`think_text`). The answer goes through :meth:`EnvGroups.step` exactly as a sampled
+   one would (forced prefix + decoded text), so the episode unfolds as a rollout would.
+2. **Tokens.** The "sampled" ids of a turn are the tokenizer's encoding of that text plus the
+   end-of-turn token; the conversation is assembled by the runner's own
+   :meth:`~ragen_core.rollout.runner.Segments.assemble`, so a demonstration has the same
+   ``input_ids``/``loss_mask`` a rollout trajectory with those sampled ids would have (tested against
+   :func:`~ragen_core.rollout.runner.run_rollouts` with a replaying engine). The loss mask covers
+   exactly the answer tokens and their end-of-turn token.
+3. **Training.** :func:`train_sft`: masked next-token cross-entropy over the assistant tokens
+   (token-mean over the batch), AdamW, linear warm-up then cosine decay, seeded shuffling;
+   deterministic on CPU for a given seed and thread count. :func:`warm_start` builds the tiny policy
+   (or loads ``ModelConfig.path``), trains it and saves it with :func:`~ragen_core.models.save_policy`.
+4. **Evaluation.** :func:`evaluate_policy` runs the policy on the validation seeds with
+   :func:`~ragen_core.rollout.runner.run_rollouts` and reports per-tag success, format validity and
+   action counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from envs.base import Env
+from envs.oracles import oracle_actions
+from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.protocol import ProtocolConfig, build_messages, forced_prefix
+from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.runner import Segments, _Turn, run_rollouts
+
+__all__ = [
+    "DEFAULT_DEMO_SEED",
+    "Demo",
+    "SFTConfig",
+    "build_demonstrations",
+    "demo_groups_config",
+    "evaluate_policy",
+    "sft_loss",
+    "think_text",
+    "train_sft",
+    "warm_start",
+]
+
+#: Base seed of the demonstration episodes: group ``i`` of a demo batch plays seed ``DEFAULT_DEMO_SEED + i``.
+#: Validation uses ``123 + i`` and RL training ``10000 + iteration * P + i``, so for any run with fewer than
+#: ~990 000 train initial states the three sets are disjoint.
+DEFAULT_DEMO_SEED = 1_000_000
+
+
+class SFTConfig(BaseModel):
+    """The supervised warm start: which demonstrations, how they are written, how long to train."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # ---------------------------------------------------------------- demonstrations
+    tags: list[str] = Field(
+        default=["SimpleSokoban"], description="Catalogue tags to demonstrate (one warm start may mix several)."
+    )
+    episodes_per_tag: int = Field(
+        default=256, ge=1, description="Demonstration episodes per tag (one distinct initial state each)."
+    )
+    env_overrides: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="tag -> env_config overrides, as in EnvGroupsConfig."
+    )
+    demo_seed: int = Field(
+        default=DEFAULT_DEMO_SEED,
+        description="Base env seed of the demonstrations (episode i of the batch plays demo_seed + i).",
+    )
+    optimal_fraction: float = Field(
+        default=0.7,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Probability that a turn's (noise_unit='turn') or an episode's (noise_unit='episode') actions "
+            "come from the oracle; otherwise they are uniformly random actions from the env's vocabulary "
+            "(as many as the oracle would have taken; free-text envs: a perturbed answer)."
+        ),
+    )
+    noise_unit: Literal["turn", "episode"] = Field(
+        default="turn",
+        description=(
+            "'turn': the oracle/random choice is drawn per turn, so later oracle turns show recovery from "
+            "the states random turns lead to; 'episode': whole episodes are oracle or random."
+        ),
+    )
+    protocol: ProtocolConfig = Field(
+        default_factory=ProtocolConfig,
+        description="The agent protocol the demos are written in (enable_think, separator, max_turn, ...); "
+        "use the run's own protocol config.",
+    )
+
+    # ---------------------------------------------------------------- optimisation
+    steps: int = Field(default=300, ge=1, description="Optimizer steps (the demos are cycled, reshuffled each epoch).")
+    batch_size: int = Field(default=16, ge=1, description="Sequences per optimizer step.")
+    lr: float = Field(default=3e-3, gt=0.0, description="Peak AdamW learning rate (1e-3..3e-3 for tiny models).")
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Final lr / peak lr (cosine decay).")
+    warmup_steps: int = Field(default=20, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = Field(default=1.0, gt=0.0, description="Max global grad norm.")
+    seed: int = Field(default=0, description="Seeds the noise draws and the shuffling.")
+    max_seconds: float | None = Field(
+        default=None, gt=0.0, description="Stop training after this many seconds (budget guard); None: no limit."
+    )
+    num_threads: int | None = Field(
+        default=None, ge=1, description="torch threads while training (restored afterwards); None: leave as is."
+    )
+    log_every: int = Field(default=10, ge=1, description="Loss-curve resolution (steps).")
+
+    @field_validator("tags")
+    @classmethod
+    def _check_tags(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("tags must name at least one catalogue tag")
+        if len(set(v)) != len(v):
+            raise ValueError(f"tags must be distinct, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_overrides(self) -> SFTConfig:
+        unknown = set(self.env_overrides) - set(self.tags)
+        if unknown:
+            raise ValueError(f"env_overrides for tags not in tags: {sorted(unknown)}")
+        return self
+
+
+@dataclass
+class Demo:
+    """One training sequence: a demonstrated episode (or, with a context window, one turn of it)."""
+
+    tag: str
+    env_id: int
+    seed: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    turn_index: list[int]
+    texts: list[str]  # generated text of each turn (after the forced prefix, without end-of-turn)
+    actions: list[list[str]]  # answer items of each turn
+    optimal: list[bool]  # whether each turn's actions came from the oracle
+    success: bool
+    turn_ids: list[list[int]] = field(default_factory=list)  # "sampled" ids per turn (eos included)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_trained(self) -> int:
+        return int(sum(self.loss_mask))
+
+
+# --------------------------------------------------------------------------------------------
+# Think text
+# --------------------------------------------------------------------------------------------
+def _rc(index: int, ncol: int) -> str:
+    r, c = divmod(int(index), int(ncol))
+    return f"({r},{c})"
+
+
+def think_text(env: Env, actions: Sequence[str]) -> str:
+    """A short deterministic sentence about the state and the chosen actions (0-based (row,col)).
+
+    Sokoban ``Player (r,c), box (r,c), target (r,c). I should go Up.``; FrozenLake ``Player (r,c),
+    goal (r,c). I should go Left.``; Bandit: a sentence about the arm names that matches the pick;
+    Countdown: the numbers, target and the equation tried; others: the answer.
+    """
+    kind = type(env).env_type
+    first = actions[0] if actions else ""
+    if kind == "sokoban":
+        st = env.state  # type: ignore[attr-defined]
+        boxes = " and ".join(_rc(b, st.width) for b in st.boxes)
+        targets = " and ".join(_rc(t, st.width) for t in st.targets)
+        b_word, t_word = ("box", "target") if len(st.boxes) == 1 else ("boxes", "targets")
+        return f"Player {_rc(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. I should go {first}."
+    if kind == "frozen_lake":
+        goals = " and ".join(_rc(g, env.ncol) for g in sorted(env.goal_states))  # type: ignore[attr-defined]
+        return f"Player {_rc(env.state, env.ncol)}, goal {goals}. I should go {first}."  # type: ignore[attr-defined]
+    if kind == "bandit":
+        hi, lo = env.hi_arm_name, env.lo_arm_name  # type: ignore[attr-defined]
+        if first.strip().lower() == hi.strip().lower():
+            return f"{hi} sounds bold and may pay more than {lo}, so I pick {hi}."
+        return f"{lo} sounds safe and steady, so I pick {lo}."
+    if kind == "countdown":
+        return f"Target {env.target}, nums {env.nums}. I try {first}."  # type: ignore[attr-defined]
+    return f"The answer is {first}."
+
+
+# --------------------------------------------------------------------------------------------
+# Demonstrations
+# --------------------------------------------------------------------------------------------
+def _rng(*keys: int) -> random.Random:
+    return random.Random(int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(1)[0]))
+
+
+def _noisy_actions(env: Env, plan: list[str], cap: int, rng: random.Random) -> list[str]:
+    """Random actions: as many as the oracle planned (1..min(3, cap) if it has no plan), each uniform
+    over the vocabulary. Free-text envs: Countdown a random expression of its numbers, others a
+    perturbed numeric answer (the oracle's when it is not a number)."""
+    if env.actions:
+        k = len(plan) if plan else rng.randint(1, max(1, min(3, cap)))
+        return [rng.choice(env.actions) for _ in range(min(k, cap))]
+    kind = type(env).env_type
+    if kind == "countdown":
+        nums = list(env.nums)  # type: ignore[attr-defined]
+        rng.shuffle(nums)
+        expr = str(nums[0])
+        for n in nums[1:]:
+            expr += f" {rng.choice('+-*/')} {n}"
+        return [expr]
+    if plan:
+        try:
+            value = float(plan[0])
+        except ValueError:
+            return list(plan)
+        delta = rng.choice([-3, -2, -1, 1, 2, 3])
+        return [str(int(value) + delta) if value == int(value) else str(value + delta)]
+    return [str(rng.randint(0, 100))]
+
+
+def demo_groups_config(cfg: SFTConfig) -> EnvGroupsConfig:
+    """The env groups the demonstrations are played in (mode ``"train"``, reset at iteration 0)."""
+    return EnvGroupsConfig(
+        tags=list(cfg.tags),
+        n_groups=[cfg.episodes_per_tag] * len(cfg.tags),
+        group_size=1,
+        seed=cfg.demo_seed,
+        env_overrides=dict(cfg.env_overrides),
+    )
+
+
+def _answer_text(env: Env, actions: list[str], protocol: ProtocolConfig) -> str:
+    answer = f" {protocol.action_sep} ".join(a.strip() for a in actions)
+    if protocol.enable_think:
+        return f"{think_text(env, actions)}</think><answer>{answer}</answer>"
+    return f"{answer}</answer>"
+
+
+def build_demonstrations(
+    tokenizer: Any, cfg: SFTConfig, protocol: ProtocolConfig | None = None
+) -> list[Demo]:
+    """Play the demonstration episodes and return their token sequences (deterministic given ``cfg``).
+
+    Sequence layout: with the full history (``max_context_window = -1``) one sequence per episode,
+    as :func:`~ragen_core.rollout.runner.run_rollouts` builds it; with a window of ``k`` turns, one
+    sequence per turn (the exact prompt the policy sees at that turn plus its answer), trained on that
+    turn only, so that every turn is learned once.
+    """
+    protocol = protocol or cfg.protocol
+    prefix = forced_prefix(protocol)
+    seg = Segments(tokenizer, prefix)
+    groups = EnvGroups(demo_groups_config(cfg), protocol, mode="train")
+    seeds = groups.reset(0)
+    turns: dict[int, list[_Turn]] = {i: [] for i in groups.env_ids}
+    texts: dict[int, list[str]] = {i: [] for i in groups.env_ids}
+    acts: dict[int, list[list[str]]] = {i: [] for i in groups.env_ids}
+    optimal: dict[int, list[bool]] = {i: [] for i in groups.env_ids}
+    episode_optimal = {i: _rng(cfg.seed, seeds[i]).random() < cfg.optimal_fraction for i in groups.env_ids}
+
+    for turn in range(protocol.max_turn):
+        active = groups.active_ids()
+        if not active:
+            break
+        responses: dict[int, str] = {}
+        for i in active:
+            env = groups.env(i)
+            history = groups.history(i)
+            actions_left = history[-1].actions_left
+            turns_left = protocol.max_turn - (len(history) - 1)
+            cap = max(1, min(protocol.max_actions_per_turn, actions_left))
+            plan = list(oracle_actions(env, actions_left, protocol.max_actions_per_turn, turns_left))
+            rng = _rng(cfg.seed, seeds[i], turn + 1)
+            use_oracle = episode_optimal[i] if cfg.noise_unit == "episode" else rng.random() < cfg.optimal_fraction
+            if use_oracle and plan:
+                chosen, is_opt = plan, True
+            else:
+                chosen, is_opt = _noisy_actions(env, plan, cap, rng), False
+            text = _answer_text(env, chosen, protocol)
+            ids = [*seg.encode(text), seg.eos_id]
+            turns[i].append(_Turn(ids=ids, logprobs=[0.0] * len(ids), closed=True))
+            texts[i].append(text)
+            acts[i].append([a.strip() for a in chosen])
+            optimal[i].append(is_opt)
+            # Exactly what the runner hands to the env groups for sampled ids.
+            responses[i] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
+        groups.step(responses)
+
+    window = protocol.max_context_window
+    summaries = groups.trajectories()
+    demos: list[Demo] = []
+    for ep in summaries:
+        i = ep.env_id
+        common = dict(
+            tag=ep.tag, env_id=i, seed=ep.seed, texts=texts[i], actions=acts[i], optimal=optimal[i],
+            success=ep.success, turn_ids=[t.ids for t in turns[i]],
+        )
+        if window <= 0:
+            ids, mask, tidx, _ = seg.assemble(groups.messages(i, for_generation=False), turns[i], 0)
+            demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
+            continue
+        history = groups.history(i)
+        for j in range(len(turns[i])):
+            start = max(0, j + 1 - window)
+            messages = build_messages(groups.prefix(i), history[: j + 1], protocol, groups.max_tokens(i), False)
+            ids, mask, tidx, _ = seg.assemble(messages, turns[i][start : j + 1], start)
+            mask = [m if t == j else 0 for m, t in zip(mask, tidx, strict=True)]
+            demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
+    return demos
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+def _pad_batch(demos: Sequence[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (positions start at 0 per row)."""
+    n = max(d.num_tokens for d in demos)
+    ids = torch.full((len(demos), n), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(demos), n), dtype=torch.long)
+    mask = torch.zeros((len(demos), n), dtype=torch.bool)
+    for r, d in enumerate(demos):
+        k = d.num_tokens
+        ids[r, :k] = torch.tensor(d.input_ids)
+        attn[r, :k] = 1
+        mask[r, :k] = torch.tensor(d.loss_mask, dtype=torch.bool)
+    return ids, attn, mask
+
+
+def _epoch_batches(demos: Sequence[Demo], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """One epoch of batches (popped from the end): a seeded shuffle, then length bucketing inside
+    windows of 8 batches (less padding), then a seeded shuffle of the batches."""
+    idx = list(range(len(demos)))
+    rng.shuffle(idx)
+    batch_size = min(batch_size, len(demos))
+    batches: list[list[int]] = []
+    window = 8 * batch_size
+    for w in range(0, len(idx), window):
+        chunk = sorted(idx[w : w + window], key=lambda k: demos[k].num_tokens)
+        batches.extend(chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+def sft_loss(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+    """Token-mean cross-entropy of the tokens where ``loss_mask`` is 1, each predicted from its prefix.
+
+    Only the hidden states that predict a trained token go through the LM head (the vocabulary
+    projection of the prompt positions is never computed). Returns ``(loss, n_tokens)``.
+    """
+    targets = loss_mask[:, 1:]
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    h = hidden[:, :-1][targets]
+    logits = model.lm_head(h).float()
+    y = input_ids[:, 1:][targets]
+    return torch.nn.functional.cross_entropy(logits, y), int(y.numel())
+
+
+def _lr_factor(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_sft(
+    model: Any,
+    tokenizer: Any,
+    cfg: SFTConfig,
+    protocol: ProtocolConfig | None = None,
+    demos: list[Demo] | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` in place on the demonstrations (built from ``cfg`` unless given).
+
+    Returns metrics: ``loss_curve`` (mean loss per ``log_every`` steps, as ``[step, loss]``),
+    ``final_loss`` (mean of the last ``log_every`` steps), ``steps``, ``trained_tokens``,
+    ``seconds`` (training), ``demo_seconds``, ``num_demos``, ``demo_tokens``, demo success and
+    optimal-turn rates, and ``stopped_early`` (the ``max_seconds`` guard fired).
+    """
+    t0 = time.perf_counter()
+    if demos is None:
+        demos = build_demonstrations(tokenizer, cfg, protocol)
+    if not demos:
+        raise ValueError("no demonstrations to train on")
+    demo_seconds = time.perf_counter() - t0
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    old_threads = torch.get_num_threads()
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+    )
+    order_rng = random.Random(cfg.seed)
+    order: list[list[int]] = []
+    curve: list[list[float]] = []
+    window: list[float] = []
+    tokens = 0
+    stopped_early = False
+    step = 0
+    t1 = time.perf_counter()
+    model.train()
+    try:
+        for step in range(cfg.steps):
+            if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+                stopped_early = True
+                break
+            if not order:
+                order = _epoch_batches(demos, cfg.batch_size, order_rng)
+            batch = [demos[k] for k in order.pop()]
+            ids, attn, mask = _pad_batch(batch, pad_id)
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * _lr_factor(step, cfg)
+            loss, n = sft_loss(model, ids, attn, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            tokens += n
+            window.append(float(loss.detach()))
+            if len(window) == cfg.log_every:
+                curve.append([step + 1, sum(window) / len(window)])
+                window = []
+        else:
+            step = cfg.steps
+    finally:
+        model.eval()
+        if cfg.num_threads is not None:
+            torch.set_num_threads(old_threads)
+    if window:
+        curve.append([step, sum(window) / len(window)])
+    turns = [o for d in demos for o in d.optimal]
+    return {
+        "steps": step,
+        "loss_curve": curve,
+        "final_loss": curve[-1][1] if curve else float("nan"),
+        "trained_tokens": tokens,
+        "seconds": time.perf_counter() - t1,
+        "demo_seconds": demo_seconds,
+        "num_demos": len(demos),
+        "demo_tokens": sum(d.num_tokens for d in demos),
+        "demo_trained_tokens": sum(d.num_trained for d in demos),
+        "demo_success": sum(d.success for d in demos) / len(demos),
+        "demo_optimal_turns": sum(turns) / max(1, len(turns)),
+        "stopped_early": stopped_early,
+    }
+
+
+def warm_start(
+    model_cfg: Any, sft_cfg: SFTConfig, out_dir: str | Path, protocol: ProtocolConfig | None = None
+) -> Path:
+    """Build the policy of ``model_cfg`` (tiny or ``path``), train it on demonstrations, save it.
+
+    Writes the policy (HF format, :func:`~ragen_core.models.save_policy`) and ``sft_metrics.json`` in
+    ``out_dir`` and returns ``out_dir``. ``sft_metrics.json`` adds ``build_seconds`` (tokenizer and
+    model) and ``total_seconds`` to :func:`train_sft`'s metrics.
+    """
+    from ragen_core.models import policy_from_config, save_policy
+
+    t0 = time.perf_counter()
+    model, tokenizer = policy_from_config(model_cfg)
+    build_seconds = time.perf_counter() - t0
+    metrics = train_sft(model, tokenizer, sft_cfg, protocol)
+    path = save_policy(model, tokenizer, out_dir)
+    metrics.update(build_seconds=build_seconds, total_seconds=time.perf_counter() - t0)
+    (path / "sft_metrics.json").write_text(json.dumps(metrics, indent=2))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------
+def evaluate_policy(
+    model: Any,
+    tokenizer: Any,
+    groups_cfg: EnvGroupsConfig,
+    protocol_cfg: ProtocolConfig | None = None,
+    temperature: float = 0.5,
+    seed: int = 0,
+    max_new_tokens: int = 100,
+    engine: RolloutEngine | None = None,
+) -> dict[str, float]:
+    """Play the validation seeds (mode ``"val"``) and report, per tag (``{tag}/...``) and overall:
+
+    - ``success`` (Bandit: the high-arm rate), ``num_actions`` (executed actions per episode),
+      ``num_turns`` and the other :meth:`EnvGroups.metrics` keys;
+    - ``format_ok_turns``: the fraction of played turns whose reply parsed with only valid actions
+      (no format penalty); ``format_ok_trajs``: the fraction of episodes without any penalised turn;
+    - ``response_tokens``: sampled tokens per turn; ``response_truncated``: the fraction of episodes
+      with a turn cut by ``max_new_tokens``.
+    """
+    protocol_cfg = protocol_cfg or ProtocolConfig()
+    groups = EnvGroups(groups_cfg, protocol_cfg, mode="val")
+    engine = engine or HFEngine(model, tokenizer)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    trajs = run_rollouts(groups, engine, tokenizer, params, seed=seed, iteration=0, run_id="eval")
+    metrics = dict(groups.metrics())
+    per_tag: dict[str, list[tuple[int, int, int, bool]]] = {}
+    for t in trajs:
+        played = [r for r in groups.history(t.env_id) if r.played]
+        ok = sum(r.format_ok for r in played)
+        per_tag.setdefault(t.env_tag, []).append(
+            (len(played), ok, int(sum(t.loss_mask)), bool(t.info.get("response_truncated")))
+        )
+    rows_all: list[tuple[int, int, int, bool]] = []
+    for tag, rows in per_tag.items():
+        rows_all.extend(rows)
+        metrics.update(_format_metrics(tag + "/", rows))
+    metrics.update(_format_metrics("", rows_all))
+    return metrics
+
+
+def _format_metrics(prefix: str, rows: list[tuple[int, int, int, bool]]) -> dict[str, float]:
+    turns = sum(r[0] for r in rows)
+    return {
+        f"{prefix}format_ok_turns": sum(r[1] for r in rows) / max(1, turns),
+        f"{prefix}format_ok_trajs": sum(r[0] == r[1] for r in rows) / max(1, len(rows)),
+        f"{prefix}response_tokens": sum(r[2] for r in rows) / max(1, turns),
+        f"{prefix}response_truncated": sum(r[3] for r in rows) / max(1, len(rows)),
+    }
