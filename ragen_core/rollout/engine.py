@@ -27,7 +27,12 @@ under our control:
 * generation stops at a stop token (default: the tokenizer's eos, ``<|im_end|>`` for ChatML),
   which is included in the output (``finish_reason="stop"``), or after ``max_new_tokens`` or at
   the model's context length (``finish_reason="length"``);
-* finished sequences are dropped from the batch and the KV cache, so they stop costing compute.
+* finished sequences are dropped from the batch and the KV cache, so they stop costing compute;
+* the prompt pass (prefill) computes identical prompts once (a group's members at their first
+  turn), runs the distinct prompts sorted by length in chunks of similar length (little padding;
+  no attention mask at all when a chunk's lengths are equal), and writes the keys/values into a
+  preallocated buffer that each decode step extends in place, instead of HF's ``DynamicCache``
+  concatenating the whole cache at every token.
 """
 
 from __future__ import annotations
@@ -163,7 +168,8 @@ class HFEngine(RolloutEngine):
     ``max_model_len`` (default ``config.max_position_embeddings``) bounds prompt + generation;
     a prompt that does not fit raises :class:`PromptTooLongError` (never a silent cut).
     ``max_batch_size`` splits large calls into micro-batches (results do not depend on it, up to
-    float rounding of the logits).
+    float rounding of the logits). ``prefill_tokens`` bounds the padded tokens of one prefill
+    forward pass (prompts are chunked by length; a longer prompt gets a pass of its own).
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class HFEngine(RolloutEngine):
         stop_token_ids: Sequence[int] | None = None,
         pad_token_id: int | None = None,
         max_batch_size: int | None = None,
+        prefill_tokens: int = 8192,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -193,6 +200,8 @@ class HFEngine(RolloutEngine):
                 pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
+        #: about how many (padded) prompt tokens one prefill forward pass takes; see :meth:`_prefill`
+        self.prefill_tokens = int(prefill_tokens)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (most models)
         params = inspect.signature(model.forward).parameters
@@ -249,8 +258,6 @@ class HFEngine(RolloutEngine):
     def _generate_batch(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
     ) -> list[Generation]:
-        from transformers import DynamicCache
-
         model = self.model
         device = model.get_input_embeddings().weight.device
         n = len(prompts)
@@ -259,14 +266,6 @@ class HFEngine(RolloutEngine):
         budgets = [min(params.max_new_tokens, self.max_model_len - ln) for ln in lens]
         max_steps = max(budgets)
         stop = set(self.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
 
         uniforms = None
         if not params.greedy:
@@ -277,16 +276,13 @@ class HFEngine(RolloutEngine):
                 ]
             )
 
-        cache = DynamicCache(config=model.config)
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: cache},
-        ).logits[:, -1, :]
-        next_pos = pos[:, -1] + 1
+        cache, logits = self._prefill(prompts, width, max_steps, device)
+        # Left-padded attention mask over prompt + generated tokens, written in place step by step.
+        mask_buf = torch.zeros((n, width + max_steps), dtype=torch.long)
+        for i, ln in enumerate(lens):
+            mask_buf[i, width - ln :] = 1
+        mask_buf = mask_buf.to(device)
+        next_pos = torch.tensor(lens, dtype=torch.long, device=device)
         active = torch.arange(n)  # original index of each row still in the batch / cache
         results = [Generation() for _ in range(n)]
 
@@ -322,17 +318,107 @@ class HFEngine(RolloutEngine):
                 rows_dev = rows.to(device)
                 cache.batch_select_indices(rows_dev)
                 active, tok = active[rows], tok[rows_dev]
-                mask, next_pos = mask[rows_dev], next_pos[rows_dev]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                mask_buf, next_pos = mask_buf[rows_dev], next_pos[rows_dev]
+            mask_buf[:, width + step] = 1
             logits = model(
                 input_ids=tok.unsqueeze(-1),
-                attention_mask=mask,
+                attention_mask=mask_buf[:, : width + step + 1],
                 position_ids=next_pos.unsqueeze(-1),
                 use_cache=True,
                 **{self._cache_kw: cache},
             ).logits[:, -1, :]
             next_pos = next_pos + 1
         return results
+
+    def _prefill(
+        self, prompts: Sequence[Sequence[int]], width: int, extra: int, device: torch.device
+    ) -> tuple[Any, torch.Tensor]:
+        """Run the prompts through the model; returns the KV cache (left-padded to ``width``, with room
+        for ``extra`` more tokens) and each prompt's last-position logits.
+
+        Identical prompts (the members of a group at their first turn) are computed once. The
+        distinct prompts are sorted by length and run in chunks of about :attr:`prefill_tokens`
+        tokens, so that rows of a chunk have similar lengths (little padding) and a chunk whose
+        rows all have the same length needs no attention mask (the fast causal kernel). The chunks'
+        keys and values are written, right-aligned, into one preallocated buffer per layer that the
+        decode steps then extend in place (no ``torch.cat`` of the whole cache per token).
+        Results equal one padded batch up to float rounding.
+        """
+        from transformers import DynamicCache
+
+        model = self.model
+        n = len(prompts)
+        if not _plain_layers(DynamicCache(config=model.config)):
+            # e.g. sliding-window layers: one left-padded batch in a stock cache
+            ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((n, width), dtype=torch.long)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+                mask[i, width - len(p) :] = 1
+            pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+            cache = DynamicCache(config=model.config)
+            logits = model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=pos.to(device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: cache},
+            ).logits[:, -1, :]
+            return cache, logits
+        index: dict[tuple[int, ...], int] = {}
+        src = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        uniq = list(index)
+        rows_of: list[list[int]] = [[] for _ in uniq]
+        for i, u in enumerate(src):
+            rows_of[u].append(i)
+        order = sorted(range(len(uniq)), key=lambda u: len(uniq[u]))
+        chunks: list[list[int]] = []
+        for u in order:  # lengths ascending: the chunk's width is its last (longest) prompt's length
+            if chunks and (len(chunks[-1]) + 1) * len(uniq[u]) <= self.prefill_tokens:
+                chunks[-1].append(u)
+            else:
+                chunks.append([u])
+
+        layers: list[Any] = []
+        logits: torch.Tensor | None = None
+        for chunk in chunks:
+            cw = len(uniq[chunk[-1]])
+            clens = [len(uniq[u]) for u in chunk]
+            ids = torch.full((len(chunk), cw), self.pad_token_id, dtype=torch.long)
+            for j, u in enumerate(chunk):
+                ids[j, cw - clens[j] :] = torch.as_tensor(uniq[u], dtype=torch.long)
+            if clens[0] == cw:  # all the same length: no padding, no mask
+                mask = None
+                pos = torch.arange(cw, dtype=torch.long).expand(len(chunk), cw)
+            else:
+                mask = (torch.arange(cw)[None, :] >= (cw - torch.tensor(clens))[:, None]).long()
+                pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+                mask = mask.to(device)
+            part = DynamicCache(config=model.config)
+            out = model(
+                input_ids=ids.to(device),
+                attention_mask=mask,
+                position_ids=pos.to(device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kw: part},
+            ).logits[:, -1, :]
+            if logits is None:
+                logits = out.new_empty((n, out.shape[-1]))
+                layers = [_buffer_layer(layer, n, width + extra) for layer in part.layers]
+            for j, u in enumerate(chunk):
+                rows = torch.tensor(rows_of[u], device=device)
+                logits[rows] = out[j]
+                for buf, layer in zip(layers, part.layers, strict=True):
+                    buf.keys_buf[rows, :, width - clens[j] : width] = layer.keys[j, :, cw - clens[j] :]
+                    buf.values_buf[rows, :, width - clens[j] : width] = layer.values[j, :, cw - clens[j] :]
+        for buf in layers:
+            buf.set_length(width)
+        cache = DynamicCache(config=model.config)
+        cache.layers = layers
+        assert logits is not None
+        return cache, logits
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -350,3 +436,67 @@ class HFEngine(RolloutEngine):
 
     def close(self) -> None:
         self.model = None
+
+
+_BUFFER_LAYER: type | None = None
+
+
+def _plain_layers(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a full-attention ``DynamicLayer`` (no sliding window)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _buffer_layer(like: Any, batch: int, capacity: int) -> Any:
+    """A zeroed KV-buffer cache layer shaped like the (initialised) ``DynamicLayer`` ``like``."""
+    global _BUFFER_LAYER
+    if _BUFFER_LAYER is None:
+        from transformers.cache_utils import DynamicLayer
+
+        class BufferLayer(DynamicLayer):
+            """A ``DynamicLayer`` over preallocated ``(batch, heads, capacity, head_dim)`` buffers.
+
+            ``update`` writes the new keys/values in place and exposes the first ``length``
+            positions as views, instead of concatenating the whole cache at every token. Unused
+            positions are zeros (never NaN: masked positions still meet a 0 attention weight).
+            """
+
+            def __init__(self, keys_buf: torch.Tensor, values_buf: torch.Tensor) -> None:
+                super().__init__()
+                self.keys_buf, self.values_buf = keys_buf, values_buf
+                self.device = keys_buf.device
+                self.is_initialized = True
+                self.set_length(0)
+
+            def set_length(self, length: int) -> None:
+                self.length = length
+                self.keys = self.keys_buf[:, :, :length]
+                self.values = self.values_buf[:, :, :length]
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+                start, end = self.length, self.length + key_states.shape[-2]
+                if end > self.keys_buf.shape[-2]:  # out of room (not expected): grow by concatenation
+                    pad = (0, 0, 0, end - self.keys_buf.shape[-2])
+                    self.keys_buf = torch.nn.functional.pad(self.keys_buf, pad)
+                    self.values_buf = torch.nn.functional.pad(self.values_buf, pad)
+                self.keys_buf[:, :, start:end] = key_states
+                self.values_buf[:, :, start:end] = value_states
+                self.set_length(end)
+                return self.keys, self.values
+
+            def get_seq_length(self) -> int:
+                return self.length
+
+            def batch_select_indices(self, indices: torch.Tensor) -> None:
+                self.keys_buf = self.keys_buf[indices]
+                self.values_buf = self.values_buf[indices]
+                self.set_length(self.length)
+
+            def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+                self.batch_select_indices(beam_idx)
+
+        _BUFFER_LAYER = BufferLayer
+
+    shape = (batch, like.keys.shape[1], capacity, like.keys.shape[-1])
+    return _BUFFER_LAYER(like.keys.new_zeros(shape), like.values.new_zeros((*shape[:3], like.values.shape[-1])))

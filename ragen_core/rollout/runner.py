@@ -66,6 +66,13 @@ class Segments:
         self.eos_text = eos
         self.eos_id = int(tokenizer.convert_tokens_to_ids(eos))
         self._cache: dict[str, list[int]] = {}
+        # head()/continuation() text by their messages: a run re-assembles every live conversation
+        # each turn, and rendering the chat template (jinja) is the runner's main cost otherwise.
+        self._texts: dict[tuple[Any, ...], str] = {}
+
+    @staticmethod
+    def _key(kind: str, messages: Sequence[Message]) -> tuple[Any, ...]:
+        return (kind, *(tuple(m.items()) for m in messages))
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
@@ -80,13 +87,24 @@ class Segments:
 
     def head(self, messages: Sequence[Message]) -> str:
         """System + first user message + generation prompt + forced prefix."""
-        return self.render(messages[:2], True) + self.prefix
+        key = self._key("head", messages[:2])
+        text = self._texts.get(key)
+        if text is None:
+            text = self._texts[key] = self.render(messages[:2], True) + self.prefix
+        return text
 
     def continuation(self, messages: Sequence[Message]) -> str:
         """Template text after an assistant turn's end-of-turn token, up to the next turn's prefix.
 
         ``messages`` ends with the user message that follows the assistant message before it.
         """
+        key = self._key("continuation", messages)
+        text = self._texts.get(key)
+        if text is None:
+            text = self._texts[key] = self._continuation(messages)
+        return text
+
+    def _continuation(self, messages: Sequence[Message]) -> str:
         full = self.render(messages, True) + self.prefix
         before = self.render(messages[:-1], False)
         anchor = messages[-2]["content"] + self.eos_text

@@ -1,0 +1,236 @@
+"""The ``ragen`` command line (``pyproject.toml``: ``ragen = "flows.cli:app"``).
+
+Every command imports what it needs inside its function, so ``ragen --help`` stays fast and one
+command's heavy dependencies (torch, prefect, mlflow, ray) never slow down another. To add a
+command, define a function decorated with ``@app.command()`` in the "commands" section below and
+keep its imports local; shared helpers (console, error exit) are at the top.
+
+Commands: ``show`` (read a trajectory file), ``demo`` (oracle play through the agent protocol).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ragen_core.trajectory import Trajectory
+
+app = typer.Typer(
+    name="ragen",
+    help="ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared helpers
+# ------------------------------------------------------------------------------------------------
+def console() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` in red on stderr and exit with ``code`` (no traceback)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="bold red"))
+    raise typer.Exit(code)
+
+
+# ------------------------------------------------------------------------------------------------
+# show
+# ------------------------------------------------------------------------------------------------
+ROLE_STYLES = {"system": "dim", "user": "cyan", "assistant": "green"}
+
+
+def response_tokens(t: Trajectory) -> int:
+    """Tokens the policy sampled (the loss mask's ones)."""
+    return int(sum(t.loss_mask))
+
+
+def penalised_turns(t: Trajectory) -> tuple[int, int]:
+    """(turns charged a format penalty, turns played)."""
+    penalties = t.info.get("turn_penalties")
+    if isinstance(penalties, list) and penalties:
+        return sum(1 for p in penalties if p < 0), len(penalties)
+    return (1 if t.format_penalty < 0 else 0), max(t.turn_count, 1)
+
+
+def summarize(trajs: list[Trajectory]) -> list[dict[str, Any]]:
+    """Per env tag (in order of first appearance), then ``all`` when there are several tags.
+
+    Keys: tag, trajectories, success_rate, mean_score, mean_turns, mean_response_tokens,
+    format_penalty_rate (share of played turns charged a format penalty).
+    """
+
+    def row(tag: str, items: list[Trajectory]) -> dict[str, Any]:
+        n = len(items)
+        pen = [penalised_turns(t) for t in items]
+        return {
+            "tag": tag,
+            "trajectories": n,
+            "success_rate": sum(t.success for t in items) / n,
+            "mean_score": sum(t.score for t in items) / n,
+            "mean_turns": sum(t.turn_count for t in items) / n,
+            "mean_response_tokens": sum(response_tokens(t) for t in items) / n,
+            "format_penalty_rate": sum(p for p, _ in pen) / max(sum(c for _, c in pen), 1),
+        }
+
+    by_tag: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        by_tag.setdefault(t.env_tag, []).append(t)
+    rows = [row(tag, items) for tag, items in by_tag.items()]
+    if len(rows) > 1:
+        rows.append(row("all", trajs))
+    return rows
+
+
+def print_transcript(out: Console, index: int, t: Trajectory) -> None:
+    from rich.rule import Rule
+    from rich.text import Text
+
+    out.print(
+        Rule(
+            Text(
+                f"row {index}: {t.env_tag}  group {t.group_id}  env {t.env_id}  seed {t.seed}  "
+                f"{t.split} iteration {t.iteration}",
+                style="bold",
+            )
+        )
+    )
+    info = t.info or {}
+    first = int(info.get("first_trained_turn", 0) or 0)
+    if first:
+        out.print(Text(f"(context window: turns 1-{first} are not shown)", style="dim italic"))
+    penalties = info.get("turn_penalties") or []
+    k = 0
+    for m in t.messages:
+        role = m.get("role", "?")
+        style = ROLE_STYLES.get(role, "white")
+        out.print(Text(f"<{role}>", style=f"bold {style}"))
+        out.print(Text(m.get("content", ""), style=style))
+        if role == "assistant":
+            turn = first + k
+            k += 1
+            actions = t.actions[turn] if turn < len(t.actions) else []
+            reward = t.turn_rewards[turn] if turn < len(t.turn_rewards) else None
+            penalty = penalties[turn] if turn < len(penalties) else None
+            line = Text(f"  turn {turn + 1}: ", style="bold magenta")
+            line.append(f"actions [{', '.join(actions)}]" if actions else "no action executed")
+            if reward is not None:
+                line.append(f"  reward {reward:+.2f}")
+            if penalty:
+                line.append(f"  format penalty {penalty:+.2f}", style="bold red")
+            out.print(line)
+    mark = Text("SUCCESS", style="bold green") if t.success else Text("FAILED", style="bold red")
+    result = Text("=> ").append(mark)
+    result.append(
+        f"  score {t.score:+.2f} (reward {t.reward:+.2f}, format penalty {t.format_penalty:+.2f})"
+        f"  turns {t.turn_count}  end reason {info.get('end_reason') or '-'}"
+        f"  response tokens {response_tokens(t)}"
+    )
+    if info.get("response_truncated"):
+        result.append(f"  ({info.get('turns_cut_by_max_new_tokens', '?')} turn(s) cut by max_new_tokens)")
+    out.print(result)
+    out.print()
+
+
+def summary_table(rows: list[dict[str, Any]], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("env_tag", "trajectories", "success", "mean score", "mean turns", "mean response tokens",
+                "format-penalty rate"):
+        table.add_column(col, justify="left" if col == "env_tag" else "right")
+    for r in rows:
+        table.add_row(
+            r["tag"],
+            str(r["trajectories"]),
+            f"{r['success_rate']:.1%}",
+            f"{r['mean_score']:+.3f}",
+            f"{r['mean_turns']:.2f}",
+            f"{r['mean_response_tokens']:.1f}",
+            f"{r['format_penalty_rate']:.1%}",
+            style="bold" if r["tag"] == "all" else None,
+        )
+    return table
+
+
+@app.command()
+def show(
+    path: Annotated[Path, typer.Argument(help="Trajectory file (.parquet) written by a rollout.")],
+    row: Annotated[int | None, typer.Option("--row", "-r", help="Show only this row (0-based) of the file.")] = None,
+    failed: Annotated[bool, typer.Option("--failed", help="Only trajectories that did not succeed.")] = False,
+    env: Annotated[str | None, typer.Option("--env", "-e", help="Only trajectories of this env tag.")] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Transcripts to print (0: summary only).")] = 3,
+) -> None:
+    """Print readable transcripts of a trajectory file and a per-env-tag summary table.
+
+    The summary covers every trajectory that passes --failed / --env (not only the printed ones).
+    Format-penalty rate: the share of played turns charged a format penalty.
+    """
+    from rich.text import Text
+
+    from ragen_core.trajectory import TrajectoryFileError, read_trajectories
+
+    try:
+        trajs = read_trajectories(path)
+    except TrajectoryFileError as exc:
+        fail(str(exc))
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+        fail(f"{path}: cannot read trajectories: {exc}")
+    out = console()
+    indexed = list(enumerate(trajs))
+    if row is not None:
+        if not 0 <= row < len(trajs):
+            fail(f"{path}: --row {row} is out of range; the file has {len(trajs)} rows (0-{len(trajs) - 1})")
+        indexed = [indexed[row]]
+    if env is not None:
+        tags = sorted({t.env_tag for t in trajs})
+        if env not in tags:
+            fail(f"{path}: no trajectories with env tag {env!r}; tags in this file: {', '.join(tags) or 'none'}")
+        indexed = [(i, t) for i, t in indexed if t.env_tag == env]
+    if failed:
+        indexed = [(i, t) for i, t in indexed if not t.success]
+    if not indexed:
+        out.print(f"{path}: no trajectories match the filters ({len(trajs)} rows in the file)")
+        return
+    for i, t in indexed[:limit]:
+        print_transcript(out, i, t)
+    if len(indexed) > limit > 0:
+        out.print(Text(f"... {len(indexed) - limit} more matching trajectories (use --limit or --row)", style="dim"))
+    filters = [f for f, on in (("failed", failed), (f"env={env}", env is not None), (f"row={row}", row is not None)) if on]
+    title = f"{path.name}: {len(indexed)} of {len(trajs)} trajectories" + (f" ({', '.join(filters)})" if filters else "")
+    out.print(summary_table(summarize([t for _, t in indexed]), title))
+
+
+# ------------------------------------------------------------------------------------------------
+# demo
+# ------------------------------------------------------------------------------------------------
+@app.command()
+def demo(
+    tags: Annotated[str | None, typer.Option(help="Comma-separated catalogue tags (default: all).")] = None,
+    groups: Annotated[int, typer.Option(min=1, help="Initial states (validation seeds) per tag.")] = 32,
+    transcripts: Annotated[int, typer.Option(min=0, help="Transcripts printed per tag.")] = 1,
+) -> None:
+    """Play every catalogue environment with its oracle through the agent protocol (no model)."""
+    import envs
+    from flows.demo import main
+
+    main(tags=tags or ",".join(envs.tags()), groups=groups, transcripts=transcripts)
+
+
+if __name__ == "__main__":
+    app()

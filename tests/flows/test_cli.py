@@ -1,0 +1,183 @@
+"""The ``ragen`` CLI: ``--help`` lists the commands; ``ragen show`` on real and hand-made trajectory files."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from flows.cli import app, summarize
+from ragen_core.trajectory import Trajectory, read_trajectories, write_trajectories
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    # a wide terminal so that rich does not wrap the lines the assertions look for
+    return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def make(env_tag: str, env_id: int, success: bool, score: float, turns: int, response: int,
+         penalties: list[float], end: str = "done") -> Trajectory:
+    """A hand-made trajectory: ``response`` sampled tokens, one assistant message per turn."""
+    n = response + 5
+    messages = [{"role": "system", "content": "You're a helpful assistant. "},
+                {"role": "user", "content": f"Turn 1:\nState:\n[#] env {env_id}"}]
+    for k in range(turns):
+        messages.append({"role": "assistant", "content": f"<think>thought {k}</think><answer>Up</answer>"})
+        if k + 1 < turns:
+            messages.append({"role": "user", "content": f"Reward:\n0\nTurn {k + 2}:"})
+    penalty = sum(penalties)
+    return Trajectory(
+        run_id="r", iteration=0, split="train", env_tag=env_tag, group_id=env_id // 2, env_id=env_id,
+        seed=100 + env_id, turn_count=turns, success=success, truncated=end != "done",
+        reward=score - penalty, format_penalty=penalty, score=score,
+        input_ids=list(range(n)), loss_mask=[0] * 5 + [1] * response, turn_index=[0] * n,
+        rollout_logprobs=[0.0] * n, messages=messages, actions=[["Up"] for _ in range(turns)],
+        turn_rewards=[(score - penalty) / turns] * turns,
+        info={"end_reason": end, "turn_penalties": penalties, "first_trained_turn": 0,
+              "response_truncated": False, "turns_cut_by_max_new_tokens": 0},
+    )
+
+
+HANDMADE = [
+    make("SimpleSokoban", 0, True, 9.9, 2, 10, [0.0, -0.1]),
+    make("SimpleSokoban", 1, False, -0.5, 3, 20, [0.0, 0.0, 0.0], end="max_turn"),
+    make("FrozenLake", 2, False, -0.1, 1, 7, [-0.1], end="budget"),
+    make("FrozenLake", 3, True, 1.0, 1, 3, [0.0]),
+]
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory) -> Path:
+    return write_trajectories(HANDMADE, tmp_path_factory.mktemp("cli") / "hand.parquet")
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> Path:
+    """Trajectories from run_rollouts with a tiny model: 2 groups x 2, 2 turns, few tokens."""
+    from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+    from ragen_core.models import ModelConfig, build_tiny_policy
+    from ragen_core.protocol import ProtocolConfig
+    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.runner import run_rollouts
+
+    model, tok = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                               intermediate_size=64, corpus_seeds=2, seed=1))
+    groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2),
+                       ProtocolConfig(max_turn=2))
+    trajs = run_rollouts(groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=8), seed=0,
+                         run_id="cli")
+    return write_trajectories(trajs, tmp_path_factory.mktemp("cli") / "real.parquet")
+
+
+def rows_shown(output: str) -> list[int]:
+    return [int(m) for m in re.findall(r"row (\d+): ", output)]
+
+
+def test_help_lists_the_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    assert "show" in result.output and "demo" in result.output
+
+
+def test_console_script_help():
+    exe = Path(sys.executable).with_name("ragen")
+    if not exe.exists():
+        pytest.skip("the ragen console script is not installed in this environment")
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert "show" in out.stdout and "demo" in out.stdout
+
+
+def test_show_real_rollout_file(real):
+    trajs = read_trajectories(real)
+    result = invoke("show", str(real), "--limit", "10")
+    assert result.exit_code == 0, result.output
+    assert rows_shown(result.output) == list(range(len(trajs))) == [0, 1, 2, 3]
+    out = result.output
+    for role in ("<system>", "<user>", "<assistant>"):
+        assert role in out
+    assert "You're a helpful assistant." in out and "Turn 1:" in out
+    # the model's raw text is shown verbatim (rich markup is not interpreted)
+    assert trajs[0].messages[2]["content"].splitlines()[0] in out
+    assert "turn 1: " in out and "end reason " + trajs[0].info["end_reason"] in out
+    assert "SimpleSokoban" in out and "mean response tokens" in out
+    mean_tokens = sum(sum(t.loss_mask) for t in trajs) / len(trajs)
+    assert f"{mean_tokens:.1f}" in out
+
+
+def test_row_failed_env_and_limit_filters(handmade):
+    result = invoke("show", str(handmade), "--row", "2")
+    assert result.exit_code == 0, result.output
+    assert rows_shown(result.output) == [2]
+    assert "FAILED" in result.output and "end reason budget" in result.output
+    assert "format penalty -0.10" in result.output
+
+    result = invoke("show", str(handmade), "--failed")
+    assert rows_shown(result.output) == [1, 2]
+    assert "SUCCESS" not in result.output
+
+    result = invoke("show", str(handmade), "--env", "FrozenLake")
+    assert rows_shown(result.output) == [2, 3]
+
+    result = invoke("show", str(handmade), "--env", "FrozenLake", "--failed")
+    assert rows_shown(result.output) == [2]
+
+    result = invoke("show", str(handmade), "--limit", "1")
+    assert rows_shown(result.output) == [0]
+    assert "3 more matching trajectories" in result.output
+
+    result = invoke("show", str(handmade), "--limit", "0")
+    assert rows_shown(result.output) == [] and "4 of 4 trajectories" in result.output
+
+    result = invoke("show", str(handmade), "--env", "Nope")
+    assert result.exit_code == 1 and "Nope" in result.output and "FrozenLake, SimpleSokoban" in result.output
+
+    result = invoke("show", str(handmade), "--row", "9")
+    assert result.exit_code == 1 and "out of range" in result.output
+
+    result = invoke("show", str(handmade), "--row", "0", "--failed")  # row 0 succeeded
+    assert result.exit_code == 0 and "no trajectories match" in result.output
+
+
+def test_summary_numbers(handmade):
+    rows = {r["tag"]: r for r in summarize(HANDMADE)}
+    sok, fl, every = rows["SimpleSokoban"], rows["FrozenLake"], rows["all"]
+    assert sok["trajectories"] == 2 and sok["success_rate"] == 0.5
+    assert sok["mean_score"] == pytest.approx(4.7) and sok["mean_turns"] == 2.5
+    assert sok["mean_response_tokens"] == 15 and sok["format_penalty_rate"] == pytest.approx(1 / 5)
+    assert fl["success_rate"] == 0.5 and fl["mean_score"] == pytest.approx(0.45)
+    assert fl["mean_response_tokens"] == 5 and fl["format_penalty_rate"] == 0.5
+    assert every["trajectories"] == 4 and every["format_penalty_rate"] == pytest.approx(2 / 7)
+    assert every["mean_turns"] == pytest.approx(7 / 4)
+
+    out = invoke("show", str(handmade), "--limit", "0").output
+    sok_line = next(line for line in out.splitlines() if "SimpleSokoban" in line)
+    assert re.findall(r"[-+]?\d+\.?\d*%?", sok_line) == ["2", "50.0%", "+4.700", "2.50", "15.0", "20.0%"]
+    fl_line = next(line for line in out.splitlines() if "FrozenLake" in line)
+    assert re.findall(r"[-+]?\d+\.?\d*%?", fl_line) == ["2", "50.0%", "+0.450", "1.00", "5.0", "50.0%"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "garbage", "truncated"])
+def test_bad_file_exits_1_naming_the_file(handmade, tmp_path, kind):
+    path = tmp_path / f"{kind}.parquet"
+    if kind == "garbage":
+        path.write_bytes(b"this is not parquet at all")
+    elif kind == "truncated":
+        data = handmade.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    result = invoke("show", str(path))
+    assert result.exit_code == 1
+    assert path.name in result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
