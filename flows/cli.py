@@ -5,7 +5,8 @@ command's heavy dependencies (torch, prefect, mlflow, ray) never slow down anoth
 command, define a function decorated with ``@app.command()`` in the "commands" section below and
 keep its imports local; shared helpers (console, error exit) are at the top.
 
-Commands: ``show`` (read a trajectory file), ``demo`` (oracle play through the agent protocol).
+Commands: ``train``, ``evaluate``, ``rerun``, ``show`` (read a trajectory file), ``demo`` (oracle play
+through the agent protocol), ``ui`` (MLflow UI and Prefect server on loopback), ``doctor``.
 """
 
 from __future__ import annotations
@@ -230,6 +231,201 @@ def demo(
     from flows.demo import main
 
     main(tags=tags or ",".join(envs.tags()), groups=groups, transcripts=transcripts)
+
+
+# ------------------------------------------------------------------------------------------------
+# train / evaluate / rerun
+# ------------------------------------------------------------------------------------------------
+def _prepare() -> Path:
+    from flows.settings import configure_environment
+
+    return configure_environment()
+
+
+def _print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    for col in rows:
+        table.add_column(col, justify="right")
+    keys = sorted({k for r in rows.values() for k in r})
+    for k in keys:
+        table.add_row(k, *(f"{r[k]:.3f}" if k in r else "" for r in rows.values()))
+    console().print(table)
+
+
+@app.command()
+def train(
+    config: Annotated[Path | None, typer.Argument(help="Run config (YAML).")] = Path("configs/bandit-tiny.yaml"),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override KEY=VALUE (repeatable).")] = None,
+    resume: Annotated[str | None, typer.Option(help="Run id (or run directory) to continue.")] = None,
+    backend: Annotated[str | None, typer.Option(help="ray (actors) or local (one process).")] = None,
+    name: Annotated[str | None, typer.Option(help="Name prefix of the new run.")] = None,
+) -> None:
+    """Train a policy with StarPO (warm start, then iterations); --resume continues a killed run."""
+    import time
+
+    _prepare()
+    from ragen_core.config import ConfigError, load_config
+
+    if resume is None:
+        try:  # fail on config errors before Prefect, Ray or a model starts
+            load_config(config, set_ or [])
+        except ConfigError as exc:
+            fail(str(exc))
+    from flows.train import TrainRequest
+    from flows.train import train as train_flow
+
+    t0 = time.perf_counter()
+    result = train_flow(TrainRequest(config=str(config) if config else None, overrides=set_ or [],
+                                     resume=resume, run_name=name, backend=backend))  # type: ignore[arg-type]
+    wall = time.perf_counter() - t0
+    run_dir = Path(result["run_dir"])
+    evals = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("step_*.json"))}
+    first, last = (next(iter(evals)), list(evals)[-1]) if evals else (None, None)
+    if first is not None:
+        pick = {k: v for k, v in evals[first].items() if k.endswith("/success")}
+        rows = {first: pick}
+        if last != first:
+            rows[last] = {k: v for k, v in evals[last].items() if k.endswith("/success")}
+        _print_metrics("validation success", rows)
+    console().print(f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
+                    f"{result['last_iteration']} iterations in {wall:.0f} s")
+
+
+@app.command()
+def evaluate(
+    policy: Annotated[str, typer.Argument(help="RUN_ID[@STEP], a model folder, or a cached HF model name.")],
+    tags: Annotated[str, typer.Option(help="Comma-separated validation tags.")] = "SimpleSokoban",
+    n: Annotated[int, typer.Option(min=1, help="Validation seeds per tag.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
+    max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+) -> None:
+    """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
+    _prepare()
+    from flows.evaluate import EvaluateRequest
+    from flows.evaluate import evaluate as evaluate_flow
+
+    result = evaluate_flow(EvaluateRequest(policy=policy, tags=tags.split(","), n_per_tag=n,
+                                           temperature=temperature, max_new_tokens=max_new_tokens))
+    metrics = result["metrics"]
+    _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
+    console().print(f"trajectories: {result['out_dir']}/eval.parquet")
+
+
+@app.command()
+def rerun(
+    run: Annotated[str, typer.Argument(help="Run id or run directory.")],
+    iteration: Annotated[int, typer.Option(min=0, help="Iteration (evaluate: the step).")],
+    stage: Annotated[str, typer.Option(help="rollout, learn or evaluate.")] = "learn",
+) -> None:
+    """Recompute one stage of one iteration from what is stored and compare with the stored result."""
+    if stage not in ("rollout", "learn", "evaluate"):
+        fail(f"--stage {stage!r}: use rollout, learn or evaluate")
+    _prepare()
+    from flows.rerun import RerunRequest
+    from flows.rerun import rerun as rerun_flow
+
+    result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))  # type: ignore[arg-type]
+    verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
+    console().print(f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
+                    f"  rerun:  {result['output']}\n  stored: {result['stored']}")
+    if not result["identical"]:
+        raise typer.Exit(2)
+
+
+# ------------------------------------------------------------------------------------------------
+# ui / doctor
+# ------------------------------------------------------------------------------------------------
+@app.command()
+def ui(
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
+    prefect_port: Annotated[int, typer.Option(help="Prefect server port.")] = 4200,
+) -> None:
+    """Start the MLflow UI (on the local store) and a Prefect server on 127.0.0.1; Ctrl-C stops both."""
+    import os
+    import subprocess
+    import sys
+
+    state = _prepare()
+    from ragen_core.tracking import TrackingConfig, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(TrackingConfig(), state)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ}
+    env.pop("PREFECT_API_URL", None)
+    procs = [
+        subprocess.Popen([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                          "--workers", "1", "--backend-store-uri", uri,
+                          "--artifacts-destination", str(state / "mlartifacts")], env=env),
+        subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+                          "--port", str(prefect_port)], env=env),
+    ]
+    console().print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}\nPrefect UI: http://127.0.0.1:{prefect_port}\n"
+                    f"(use PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api to send flow runs there)")
+    try:
+        for p in procs:
+            p.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+
+
+@app.command()
+def doctor() -> None:
+    """Check the install: versions, the state folders, Ray, MLflow's store, and any GPU."""
+    import importlib.metadata as md
+    import shutil
+    import time
+
+    state = _prepare()
+    out = console()
+    ok = True
+    for pkg in ("torch", "transformers", "tokenizers", "prefect", "mlflow", "ray", "pyarrow", "pandas", "peft"):
+        try:
+            out.print(f"[green]ok[/]   {pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            ok = False
+            out.print(f"[red]MISSING[/] {pkg}: run `make setup`")
+    free = shutil.disk_usage(state).free / 2**30
+    out.print(f"[{'green' if free > 5 else 'red'}]{'ok' if free > 5 else 'LOW'}[/]   state folder {state} "
+              f"({free:.0f} GiB free)")
+    import torch
+
+    gpu = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU (CPU)"
+    out.print(f"[green]ok[/]   torch device: {gpu}")
+    try:
+        import vllm  # noqa: F401
+
+        out.print("[green]ok[/]   vllm importable")
+    except Exception as exc:
+        out.print(f"[yellow]--[/]   vllm not importable here ({type(exc).__name__}); rollout.engine=hf works")
+    from ragen_core.tracking import Tracker, TrackingConfig
+
+    try:
+        tracker = Tracker(TrackingConfig(), state)
+        out.print(f"[green]ok[/]   MLflow store {tracker.tracking_uri}")
+    except Exception as exc:
+        ok = False
+        out.print(f"[red]FAIL[/] MLflow: {exc}")
+    t0 = time.perf_counter()
+    try:
+        import ray
+
+        from ragen_core.actors import init_ray
+
+        resources = init_ray()
+        out.print(f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
+                  f"({time.perf_counter() - t0:.1f} s to start)")
+        ray.shutdown()
+    except Exception as exc:
+        ok = False
+        out.print(f"[red]FAIL[/] Ray: {exc}")
+    if not ok:
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ RAY_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 ModelFactory = Callable[[], torch.nn.Module] | str | os.PathLike

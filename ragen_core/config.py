@@ -21,7 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.learner import LearnerConfig
 from ragen_core.models import ModelConfig
+from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
+from ragen_core.sft import SFTConfig
+from ragen_core.tracking import TrackingConfig
 
 
 class ConfigError(ValueError):
@@ -53,13 +56,19 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    experiment: str = Field(default="ragen-flow", description="MLflow experiment")
     run_name: str | None = Field(default=None, description="default: <config name>-<hash>")
     iterations: int = Field(default=200, ge=0, description="rollout-update iterations")
     eval_every: int = Field(default=10, ge=0, description="validate every k iterations (0: only at the ends)")
     val_before_train: bool = Field(default=True)
     seed: int = Field(default=0, description="the run's seed: sampling, shuffles, inits")
     run_root: str = Field(default=".state/runs", description="run directories live here")
+    backend: Literal["ray", "local"] = Field(
+        default="ray", description="ray: rollout and learner actors; local: everything in this process"
+    )
+    learners: int = Field(default=1, ge=1, description="data-parallel learner actors")
+    rollout_cpus: float = Field(default=1, gt=0, description="CPUs of the rollout actor")
+    rollout_gpus: float = Field(default=0, ge=0, description="GPUs of the rollout actor")
+    rollout_threads: int | None = Field(default=None, ge=1, description="torch threads in the rollout worker")
 
 
 class RagenConfig(BaseModel):
@@ -78,6 +87,9 @@ class RagenConfig(BaseModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig | None = Field(default=None, description="supervised warm start before RL (None: off)")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
     @model_validator(mode="after")
     def _combinations(self) -> RagenConfig:

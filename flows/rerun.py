@@ -1,0 +1,29 @@
+"""Rerun one stage of one iteration of a finished run from what is on disk, and compare."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from pydantic import BaseModel, Field
+
+from flows.settings import configure_environment
+from ragen_core.config import load_config
+from ragen_core.pipeline import find_run, rerun_stage
+
+
+class RerunRequest(BaseModel):
+    run: str = Field(description="run id or run directory")
+    iteration: int = Field(ge=0, description="iteration to rerun (evaluate: the step)")
+    stage: Literal["rollout", "learn", "evaluate"] = "learn"
+    out_dir: str | None = Field(default=None, description="default: <run>/reruns/iter_<k>")
+
+
+@flow(name="ragen-rerun", flow_run_name="rerun-{request.stage}-{request.iteration}")
+def rerun(request: RerunRequest) -> dict[str, object]:
+    configure_environment()
+    run = find_run(request.run, load_config().trainer.run_root)
+    result = rerun_stage(run, request.iteration, request.stage, request.out_dir)
+    get_run_logger().info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
+    return {"stage": result.stage, "iteration": result.k, "output": str(result.output),
+            "stored": str(result.stored), "identical": result.identical, "detail": result.detail}

@@ -1,0 +1,200 @@
+"""The training flow: warm start, then reproducible iterations, tracked in MLflow.
+
+``train`` is the Prefect flow a user runs (``ragen train``, or a deployment from ``prefect.yaml``);
+each iteration is its own subflow of four tasks (rollout -> filter -> learn -> evaluate). The
+library does the work (``ragen_core.pipeline``); this module adds orchestration, caching, retries,
+tracking and the Echo-Trap monitor. Metrics reach MLflow only after the iteration's ``metrics.json``
+and DONE mark are on disk, and logging is idempotent per step, so a killed run resumes with no
+iteration lost, duplicated or double-logged.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.context import get_run_context
+from pydantic import BaseModel, Field
+
+from flows.settings import configure_environment
+from ragen_core import pipeline
+from ragen_core.config import RagenConfig, config_hash, flatten, load_config
+from ragen_core.monitor import EchoTrapMonitor
+from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
+from ragen_core.tracking import Tracker
+from ragen_core.trajectory import read_trajectories
+from tasks.stages import (
+    drop_session,
+    evaluate_task,
+    filter_task,
+    learn_task,
+    register_session,
+    rollout_task,
+)
+
+
+class TrainRequest(BaseModel):
+    """What to train (the Prefect UI shows this as a form)."""
+
+    config: str | None = Field(default="configs/bandit-tiny.yaml", description="YAML config file")
+    overrides: list[str] = Field(default_factory=list, description="KEY=VALUE, e.g. trainer.iterations=3")
+    resume: str | None = Field(default=None, description="run id (or run directory) to continue")
+    run_name: str | None = Field(default=None, description="name prefix of a new run")
+    parent_run_id: str | None = Field(default=None, description="MLflow parent run (sweeps)")
+    backend: Literal["ray", "local"] | None = Field(default=None, description="overrides trainer.backend")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@task(name="warm-start")
+def warm_start_task(run_root: str) -> str:
+    run = RunDir(run_root)
+    return str(pipeline.init_policy_stage(run.config(), run))
+
+
+@flow(name="ragen-iteration", flow_run_name="iteration-{k}")
+def iteration_flow(run_root: str, k: int) -> dict[str, float]:
+    """One iteration: rollout -> filter -> learn (+ checkpoint) -> evaluate when due; then DONE."""
+    run = RunDir(run_root)
+    cfg = run.config()
+    rollout = rollout_task(run_root, k)
+    kept = filter_task(run_root, k)
+    learned = learn_task(run_root, k, kept["kept"])
+    metrics: dict[str, float] = {**rollout["metrics"], **kept["metrics"], **learned["metrics"]}
+    if eval_due(cfg, k):
+        metrics.update(evaluate_task(run_root, k)["metrics"])
+    finish_iteration(run, k, metrics)
+    return metrics
+
+
+def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for t in read_trajectories(path)[:n]:
+        rows.append({"env_tag": t.env_tag, "seed": t.seed, "success": t.success, "score": t.score,
+                     "turns": t.turn_count, "actions": t.actions,
+                     "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:])})
+    return rows
+
+
+def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: dict[str, float]) -> None:
+    """Log one step's metrics and artifacts (idempotent per step)."""
+    if not tracker.log_iteration(k, metrics):
+        return
+    if not cfg.tracking.log_artifacts:
+        return
+    if k > 0 and run.rollouts(k).exists():
+        tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
+        tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k)
+    if run.eval_file(k).exists():
+        tracker.log_artifact(run.eval_file(k), "eval")
+
+
+def _best_step(run: RunDir, last: int) -> int | None:
+    import json
+
+    best, best_value = None, -1.0
+    for step in range(0, last + 1):
+        f = run.eval_metrics_file(step)
+        if f.exists():
+            value = json.loads(f.read_text()).get("val-env/success", -1.0)
+            if value > best_value:
+                best, best_value = step, value
+    return best
+
+
+@flow(name="ragen-train", flow_run_name="train")
+def train(request: TrainRequest | None = None) -> dict[str, Any]:
+    """Train (or resume) a run; returns its run id, MLflow run id and final metrics."""
+    request = request or TrainRequest()
+    state = configure_environment()
+    log = get_run_logger()
+    if request.resume:
+        run = find_run(request.resume, load_config().trainer.run_root)
+        cfg = run.config()
+    else:
+        cfg = load_config(request.config, request.overrides)
+        run = create_run(cfg, request.run_name or (Path(request.config).stem if request.config else None))
+    if request.backend:
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": request.backend})})
+    info = run.info()
+    log.info("run %s in %s", info["run_id"], run.root)
+
+    tracker = Tracker(cfg.tracking, state)
+    mlflow_run = tracker.start(
+        info["run_id"], flatten(cfg),
+        tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),
+              "ragen.run_dir": str(run.root.resolve()), "mlflow.source.git.commit": _git_commit(),
+              "prefect.flow_run_id": str(get_run_context().flow_run.id)},
+        run_id=info.get("mlflow_run_id"), parent_run_id=request.parent_run_id,
+    )
+    run.update_info(mlflow_run_id=mlflow_run)
+    session = None
+    status = "FAILED"
+    try:
+        warm_start_task(str(run.root))
+        if cfg.tracking.log_artifacts and "config.yaml" not in info.get("logged_artifacts", []):
+            tracker.log_artifact(run.config_path)
+            run.update_info(logged_artifacts=["config.yaml"])
+        session = Session(cfg, run, backend=cfg.trainer.backend)
+        register_session(run, session)
+        monitor = EchoTrapMonitor(cfg.monitor)
+        last = run.last_complete()
+        # Re-log what a killed run finished but did not log (log_iteration skips logged steps).
+        import json
+
+        if run.eval_metrics_file(0).exists():
+            _log_step(tracker, run, cfg, 0, json.loads(run.eval_metrics_file(0).read_text()))
+        for k in range(1, last + 1):
+            m = json.loads(run.metrics_file(k).read_text())
+            monitor.update(k, m)
+            _log_step(tracker, run, cfg, k, m)
+        if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
+            _log_step(tracker, run, cfg, 0, evaluate_task(str(run.root), 0)["metrics"])
+        k = last
+        while k < cfg.trainer.iterations:
+            k += 1
+            metrics = iteration_flow(str(run.root), k)
+            signals = monitor.update(k, metrics)
+            if signals:
+                tracker.set_tags({f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
+                metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
+                for s in signals:
+                    log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
+            _log_step(tracker, run, cfg, k, metrics)
+            if monitor.should_stop:
+                tracker.set_tags({"echo_trap.action": f"stopped at iteration {k}"})
+                break
+            if monitor.should_rollback:
+                to = monitor.rollback_step(range(0, k))
+                if to is not None:
+                    log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
+                    session.restore(to)
+                    session.learner.save_checkpoint(str(run.checkpoint(k)), k, {"rolled_back_to": to})
+                    session.at = k
+                    monitor.reset_to(to)
+                    tracker.set_tags({f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+        best = _best_step(run, k)
+        tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
+        if cfg.tracking.log_artifacts:
+            tracker.log_plots(run.root / "plots")
+            if k > 0:
+                tracker.log_artifacts(run.policy_after(k), "model/final")
+            if best is not None:
+                tracker.log_artifacts(run.policy_after(best), "model/best")
+        status = "FINISHED"
+        final = json.loads(run.metrics_file(k).read_text()) if k > 0 else {}
+        return {"run_id": info["run_id"], "run_dir": str(run.root), "mlflow_run_id": mlflow_run,
+                "last_iteration": k, "best_step": best, "metrics": final}
+    finally:
+        if session is not None:
+            drop_session(run)
+            session.close()
+        tracker.end(status)

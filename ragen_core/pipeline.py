@@ -1,0 +1,451 @@
+"""A training run as plain functions over a run directory: the stages the Prefect flows wrap.
+
+The run directory is the single source of truth (architecture.md): every stage reads its inputs
+from it and writes its outputs into it, so any stage of any iteration can be rerun from disk, and a
+run killed at any point resumes from its last completed iteration. Iterations are numbered from 1;
+step 0 is the policy before training (its validation, if configured).
+
+    <run>/config.yaml, run.json                 the config and the run's identity
+    <run>/init_policy/                          the starting policy (after the warm start)
+    <run>/iter_0001/rollouts.parquet            train trajectories of iteration 1
+    <run>/iter_0001/filter.json                 rows kept by the StarPO-S filter + its stats
+    <run>/iter_0001/checkpoint/                 learner state after iteration 1 (policy in HF format)
+    <run>/iter_0001/metrics.json, DONE          all metrics of the iteration; the completion mark
+    <run>/eval/step_0001.parquet                validation trajectories after iteration 1
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from ragen_core.algorithms import group_std_stats, select_groups
+from ragen_core.config import RagenConfig, config_hash, dump_config, load_config
+from ragen_core.trajectory import read_table, to_token_batch, write_table
+
+
+# ------------------------------------------------------------------------------------ run dir
+class RunDir:
+    """Paths of one run; nothing here touches torch or Ray."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    # identity and config
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def info_path(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def init_policy(self) -> Path:
+        return self.root / "init_policy"
+
+    def info(self) -> dict[str, Any]:
+        return json.loads(self.info_path.read_text()) if self.info_path.exists() else {}
+
+    def update_info(self, **values: Any) -> dict[str, Any]:
+        info = {**self.info(), **values}
+        atomic_write_text(self.info_path, json.dumps(info, indent=2, sort_keys=True))
+        return info
+
+    def config(self) -> RagenConfig:
+        return load_config(self.config_path)
+
+    # per iteration
+    def iter_dir(self, k: int) -> Path:
+        return self.root / f"iter_{k:04d}"
+
+    def rollouts(self, k: int) -> Path:
+        return self.iter_dir(k) / "rollouts.parquet"
+
+    def filter_file(self, k: int) -> Path:
+        return self.iter_dir(k) / "filter.json"
+
+    def checkpoint(self, k: int) -> Path:
+        return self.iter_dir(k) / "checkpoint"
+
+    def policy_after(self, k: int) -> Path:
+        """The policy weights after ``k`` iterations (``init_policy`` for 0)."""
+        return self.init_policy if k == 0 else self.checkpoint(k) / "policy"
+
+    def metrics_file(self, k: int) -> Path:
+        return self.iter_dir(k) / "metrics.json"
+
+    def done_file(self, k: int) -> Path:
+        return self.iter_dir(k) / "DONE"
+
+    def eval_file(self, step: int) -> Path:
+        return self.root / "eval" / f"step_{step:04d}.parquet"
+
+    def eval_metrics_file(self, step: int) -> Path:
+        return self.root / "eval" / f"step_{step:04d}.json"
+
+    def last_complete(self) -> int:
+        """The last iteration whose DONE mark exists and all before it too (0 if none)."""
+        k = 0
+        while self.done_file(k + 1).exists():
+            k += 1
+        return k
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file, or of a directory's files (names and bytes, sorted)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for p in files:
+        if path.is_dir():
+            h.update(str(p.relative_to(path)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Make a checkpoint's policy folder a complete Hugging Face model (weights + tokenizer)."""
+    import shutil
+
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists() and dst.is_dir():
+            shutil.copy2(src / name, dst / name)
+
+
+def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:
+    """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``."""
+    chash = config_hash(cfg)
+    run_id = f"{name or cfg.trainer.run_name or 'run'}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
+    run = RunDir(Path(root or cfg.trainer.run_root) / run_id)
+    try:
+        run.root.mkdir(parents=True, exist_ok=False)
+    except OSError as exc:
+        raise OSError(f"cannot create run directory {run.root}: {exc.strerror}; check trainer.run_root "
+                      "is writable and the disk has space") from exc
+    dump_config(cfg, run.config_path)
+    run.update_info(run_id=run_id, config_hash=chash, created=time.time())
+    return run
+
+
+def find_run(run_id_or_path: str, run_root: str | os.PathLike[str]) -> RunDir:
+    p = Path(run_id_or_path)
+    run = RunDir(p if p.is_dir() else Path(run_root) / run_id_or_path)
+    if not run.config_path.exists():
+        raise FileNotFoundError(f"no run {run_id_or_path!r}: {run.root} has no config.yaml (run root: {run_root})")
+    return run
+
+
+# ------------------------------------------------------------------------------------ session
+class Session:
+    """The live parts of a run: a rollout worker and a learner (group), kept across iterations.
+
+    ``backend="ray"`` runs them as Ray actors (resources from the config); ``"local"`` keeps them
+    in this process (tests, debugging, the overhead baseline). Weights go from the learner to the
+    rollout worker after every learner step; ``at`` records which iteration's weights they hold.
+    """
+
+    def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
+        from ragen_core.actors import LearnerGroup, LearnerWorker, init_ray
+        from ragen_core.rollout.worker import RolloutActor, RolloutWorker
+
+        self.cfg, self.run, self.backend = cfg, run, backend
+        worker_args = (
+            str(run.init_policy), cfg.agent.model_dump(), cfg.train.model_dump(), cfg.val.model_dump(),
+            cfg.rollout.engine, cfg.rollout.max_batch_size, cfg.rollout.max_model_len,
+            cfg.trainer.rollout_threads,
+        )
+        if backend == "ray":
+            init_ray()
+            self.worker = RolloutActor.options(num_cpus=cfg.trainer.rollout_cpus,
+                                               num_gpus=cfg.trainer.rollout_gpus).remote(*worker_args)
+            self.learner: Any = LearnerGroup(cfg.learner, str(run.init_policy),
+                                             world_size=cfg.trainer.learners)
+        elif backend == "local":
+            self.worker = RolloutWorker(*worker_args)
+            self.learner = LearnerWorker(cfg.learner, str(run.init_policy))
+            self.learner.build()
+        else:
+            raise ValueError(f"unknown backend {backend!r}; use 'ray' or 'local'")
+        self.at = 0
+
+    def call_worker(self, method: str, *args: Any) -> Any:
+        if self.backend == "ray":
+            import ray
+
+            return ray.get(getattr(self.worker, method).remote(*args))
+        return getattr(self.worker, method)(*args)
+
+    def sync_weights(self) -> None:
+        weights = self.learner.get_weights()
+        self.call_worker("update_weights", weights)
+
+    def restore(self, k: int) -> None:
+        """Put the learner and the rollout worker at the state after iteration ``k``."""
+        if k == self.at:
+            return
+        if k > 0:
+            self.learner.load_checkpoint(str(self.run.checkpoint(k)))
+        self.call_worker("load_weights_from", str(self.run.policy_after(k)))
+        self.at = k
+
+    def close(self) -> None:
+        if self.backend == "ray":
+            import ray
+
+            self.learner.shutdown()
+            ray.kill(self.worker)
+        else:
+            self.learner.close()
+
+
+# ------------------------------------------------------------------------------------ stages
+def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
+    """The starting policy in ``<run>/init_policy``: the configured model, warm-started by SFT if set.
+
+    Written to a temporary folder and renamed, so a killed warm start leaves nothing half-made.
+    """
+    import shutil
+
+    from ragen_core.models import policy_from_config, save_policy
+    from ragen_core.sft import warm_start
+
+    if (run.init_policy / "config.json").exists():
+        return run.init_policy
+    tmp = run.root / f".init_policy.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.sft is not None:
+        warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
+    else:
+        model, tokenizer = policy_from_config(cfg.model)
+        save_policy(model, tokenizer, tmp)
+    os.replace(tmp, run.init_policy)
+    return run.init_policy
+
+
+def _sampling(cfg: RagenConfig, split: str) -> dict[str, Any]:
+    r = cfg.rollout
+    temperature = r.temperature if split == "train" else r.val_temperature
+    return {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+
+
+def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
+    masks = table.column("loss_mask").to_pylist()
+    lengths = [sum(m) for m in masks]
+    infos = [json.loads(s) for s in table.column("info").to_pylist()]
+    n = max(len(lengths), 1)
+    return {
+        f"{prefix}response_length/mean": sum(lengths) / n,
+        f"{prefix}response_length/max": float(max(lengths, default=0)),
+        f"{prefix}response_length/clip_ratio": sum(1 for i in infos if i.get("response_truncated")) / n,
+        f"{prefix}score/mean": sum(table.column("score").to_pylist()) / n,
+    }
+
+
+def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
+    """Iteration ``k``'s train rollouts with the policy after ``k - 1`` iterations."""
+    t0 = time.perf_counter()
+    table, env_metrics = session.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"),
+                                             cfg.trainer.seed, run.info().get("run_id", ""))
+    path = write_table(table, run.rollouts(k))
+    seconds = time.perf_counter() - t0
+    tokens = sum(sum(m) for m in table.column("loss_mask").to_pylist())
+    metrics = {f"train/{key}": v for key, v in env_metrics.items()}
+    metrics.update(_response_metrics(table, ""))
+    metrics.update({"timing_s/gen": seconds, "perf/rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
+    return path, metrics
+
+
+def filter_stage(cfg: RagenConfig, rollouts: Path, out: Path) -> tuple[list[int], dict[str, float]]:
+    """StarPO-S: keep whole groups with the largest in-group score std (spec 5.1, decision 13)."""
+    table = read_table(rollouts)
+    scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
+    groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
+    r = cfg.rollout
+    keep = select_groups(scores, groups, r.filter_ratio, mode=r.filter_type)
+    kept = torch.nonzero(keep).flatten().tolist()
+    before, after = group_std_stats(scores, groups), group_std_stats(scores[keep], groups[keep])
+    metrics = {f"rollout/{k}": float(v) for k, v in before.items()}
+    metrics.update({f"rollout/chosen_{k}": float(v) for k, v in after.items()})
+    metrics["rollout/kept_trajectories"] = float(len(kept))
+    atomic_write_text(out, json.dumps({"kept_rows": kept, "metrics": metrics}, indent=1))
+    return kept, metrics
+
+
+def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, rollouts: Path,
+                kept: list[int]) -> dict[str, float]:
+    """One learner step on the kept trajectories; saves the checkpoint of iteration ``k``."""
+    table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
+    t0 = time.perf_counter()
+    metrics = session.learner.step(to_token_batch(table))
+    metrics["timing_s/update"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    session.learner.save_checkpoint(str(run.checkpoint(k)), k)
+    copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
+    metrics["timing_s/checkpoint"] = time.perf_counter() - t0
+    session.sync_weights()
+    session.at = k
+    return metrics
+
+
+def evaluate_stage(cfg: RagenConfig, run: RunDir, step: int, session: Session) -> tuple[Path, dict[str, float]]:
+    """Validation rollouts (fixed seeds, validation temperature) of the policy after ``step`` iterations."""
+    t0 = time.perf_counter()
+    table, env_metrics = session.call_worker("rollout", "val", 0, _sampling(cfg, "val"), cfg.trainer.seed,
+                                             run.info().get("run_id", ""))
+    path = write_table(table, run.eval_file(step))
+    metrics = {f"val-env/{key}": v for key, v in env_metrics.items()}
+    metrics.update(_response_metrics(table, "val/"))
+    metrics["timing_s/testing"] = time.perf_counter() - t0
+    atomic_write_text(run.eval_metrics_file(step), json.dumps(metrics, indent=1, sort_keys=True))
+    return path, metrics
+
+
+def eval_due(cfg: RagenConfig, step: int) -> bool:
+    t = cfg.trainer
+    if step == 0:
+        return t.val_before_train
+    return step == t.iterations or (t.eval_every > 0 and step % t.eval_every == 0)
+
+
+@dataclass
+class IterationResult:
+    k: int
+    metrics: dict[str, float]
+    skipped: bool = False
+
+
+def run_iteration(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> IterationResult:
+    """Rollout -> filter -> learn (+ checkpoint) -> evaluate if due; then the DONE mark."""
+    t0 = time.perf_counter()
+    session.restore(k - 1)
+    rollouts, metrics = rollout_stage(cfg, run, k, session)
+    kept, m = filter_stage(cfg, rollouts, run.filter_file(k))
+    metrics.update(m)
+    metrics.update(learn_stage(cfg, run, k, session, rollouts, kept))
+    if eval_due(cfg, k):
+        metrics.update(evaluate_stage(cfg, run, k, session)[1])
+    metrics["timing_s/step"] = time.perf_counter() - t0
+    finish_iteration(run, k, metrics)
+    return IterationResult(k, metrics)
+
+
+def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:
+    atomic_write_text(run.metrics_file(k), json.dumps(dict(metrics), indent=1, sort_keys=True))
+    atomic_write_text(run.done_file(k), "")
+
+
+def train_loop(cfg: RagenConfig, run: RunDir, session: Session,
+               on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> int:
+    """Run (or resume) every iteration not yet DONE; returns the last iteration."""
+    start = run.last_complete()
+    if start == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
+        session.restore(0)
+        _, m = evaluate_stage(cfg, run, 0, session)
+        if on_metrics:
+            on_metrics(0, m)
+    for k in range(start + 1, cfg.trainer.iterations + 1):
+        result = run_iteration(cfg, run, k, session)
+        if on_metrics:
+            on_metrics(k, result.metrics)
+    return cfg.trainer.iterations
+
+
+# ------------------------------------------------------------------------------------ reruns
+@dataclass
+class RerunResult:
+    stage: str
+    k: int
+    output: Path
+    stored: Path
+    identical: bool
+    detail: str
+
+
+def _tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> tuple[bool, str]:
+    if set(a) != set(b):
+        return False, f"different tensors: {sorted(set(a) ^ set(b))[:5]}"
+    diff = [k for k in a if not torch.equal(a[k], b[k])]
+    return not diff, ("bitwise identical" if not diff else f"{len(diff)} tensors differ, e.g. {diff[:3]}")
+
+
+def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
+                backend: str | None = None) -> RerunResult:
+    """Recompute one stage of iteration ``k`` from what is on disk, into ``out_dir`` (default
+    ``<run>/reruns/iter_k``), and compare it with the stored result. Nothing stored is overwritten.
+
+    ``rollout``: the policy after ``k - 1`` iterations plays iteration ``k``'s seeds -> Parquet
+    (compared byte for byte). ``learn``: the learner state after ``k - 1`` steps on the stored
+    rollouts and filter -> checkpoint (policy and critic compared bitwise). ``evaluate``: validation
+    of the policy after ``k`` iterations (compared byte for byte).
+    """
+    import safetensors.torch
+
+    cfg = run.config()
+    if stage not in ("rollout", "learn", "evaluate"):
+        raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
+    if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):
+        raise ValueError(f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+    out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The run's own backend by default: Ray actors run torch with their CPU count as thread count,
+    # and float sums (so bitwise results) depend on it.
+    session = Session(cfg, run, backend=backend or cfg.trainer.backend)
+    try:
+        if stage == "rollout":
+            session.restore(k - 1)
+            table, _ = session.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"), cfg.trainer.seed,
+                                           run.info().get("run_id", ""))
+            out = write_table(table, out_dir / "rollouts.parquet")
+            same = out.read_bytes() == run.rollouts(k).read_bytes()
+            return RerunResult(stage, k, out, run.rollouts(k), same,
+                               "byte-identical Parquet" if same else "Parquet files differ")
+        if stage == "evaluate":
+            session.restore(k)
+            table, _ = session.call_worker("rollout", "val", 0, _sampling(cfg, "val"), cfg.trainer.seed,
+                                           run.info().get("run_id", ""))
+            out = write_table(table, out_dir / "eval.parquet")
+            stored = run.eval_file(k)
+            same = stored.exists() and out.read_bytes() == stored.read_bytes()
+            return RerunResult(stage, k, out, stored, same, "byte-identical Parquet" if same else
+                               ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"))
+        session.restore(k - 1)
+        kept = json.loads(run.filter_file(k).read_text())["kept_rows"]
+        table = read_table(run.rollouts(k)).take(pa.array(kept, type=pa.int64()))
+        session.learner.step(to_token_batch(table))
+        out = out_dir / "checkpoint"
+        session.learner.save_checkpoint(str(out), k)
+        stored = run.checkpoint(k)
+        same_policy, d1 = _tensors_equal(safetensors.torch.load_file(str(out / "policy" / "model.safetensors")),
+                                         safetensors.torch.load_file(str(stored / "policy" / "model.safetensors")))
+        same, detail = same_policy, f"policy: {d1}"
+        if (stored / "critic.safetensors").exists():
+            same_critic, d2 = _tensors_equal(safetensors.torch.load_file(str(out / "critic.safetensors")),
+                                             safetensors.torch.load_file(str(stored / "critic.safetensors")))
+            same, detail = same and same_critic, f"{detail}; critic: {d2}"
+        return RerunResult(stage, k, out, stored, same, detail)
+    finally:
+        session.close()

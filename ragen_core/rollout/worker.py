@@ -1,0 +1,100 @@
+"""The rollout worker: a policy's engine and its env groups, kept alive across iterations.
+
+``RolloutWorker`` runs in-process; ``RolloutActor`` is the same class as a Ray actor. Either way it
+is built once per training run, receives new weights after every learner step
+(``update_weights``), and plays a whole split (train groups for iteration k, or the fixed
+validation groups) per call, returning the trajectories as an Arrow table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+import ray
+import torch
+
+from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.protocol import ProtocolConfig
+from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.runner import run_rollouts
+from ragen_core.trajectory import to_table
+
+
+class RolloutWorker:
+    """Engine + tokenizer + train/val env groups. Arguments are plain data so Ray can ship them."""
+
+    def __init__(
+        self,
+        policy_path: str,
+        protocol: Mapping[str, Any],
+        train: Mapping[str, Any],
+        val: Mapping[str, Any],
+        engine: str = "hf",
+        max_batch_size: int | None = None,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        from ragen_core.models import load_policy
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if engine != "hf":
+            raise NotImplementedError(
+                f"rollout.engine={engine!r} is not available in this build; use rollout.engine=hf"
+            )
+        self.policy_path = policy_path
+        self.model, self.tokenizer = load_policy(policy_path)
+        self.engine = HFEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
+                               max_model_len=max_model_len)
+        proto = ProtocolConfig.model_validate(dict(protocol))
+        self.groups = {
+            "train": EnvGroups(EnvGroupsConfig.model_validate(dict(train)), proto, mode="train"),
+            "val": EnvGroups(EnvGroupsConfig.model_validate(dict(val)), proto, mode="val"),
+        }
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.engine.update_weights(state_dict)
+
+    def load_weights_from(self, policy_path: str) -> None:
+        """Load a saved policy's weights (used when a stage is rerun or a run resumes).
+
+        ``policy_path`` holds full weights (``model.safetensors``) or a LoRA adapter, which is merged
+        into this worker's base weights.
+        """
+        from pathlib import Path
+
+        import safetensors.torch
+
+        path = Path(policy_path)
+        if (path / "adapter_config.json").exists():
+            from peft import PeftModel
+
+            from ragen_core.models import load_policy
+
+            base, _ = load_policy(self.policy_path)
+            merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+            self.engine.update_weights(merged.state_dict())
+            return
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors policy weights")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(safetensors.torch.load_file(str(f)))
+        self.engine.update_weights(weights)
+
+    def rollout(self, split: str, iteration: int, params: Mapping[str, Any], seed: int,
+                run_id: str = "") -> tuple[pa.Table, dict[str, float]]:
+        """Play one episode per env of ``split``; returns (trajectory table, env metrics)."""
+        groups = self.groups[split]
+        trajs = run_rollouts(groups, self.engine, self.tokenizer, SamplingParams(**params), seed=seed,
+                             iteration=iteration, run_id=run_id)
+        return to_table(trajs), groups.metrics()
+
+    def ping(self) -> bool:
+        return True
+
+
+RolloutActor = ray.remote(RolloutWorker)
