@@ -14,8 +14,9 @@ export RAY_AUTH_MODE := disabled
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: setup run test lint bench
+.PHONY: setup run demo test lint bench
 
 setup: $(STAMP)
 
@@ -26,7 +27,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m flows.demo
+	$(BIN)/ragen train configs/bandit-tiny.yaml
+
+demo: $(STAMP)
+	$(BIN)/ragen demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .
