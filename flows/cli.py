@@ -270,9 +270,11 @@ def train(
     from ragen_core.config import ConfigError, load_config
 
     if resume is None:
+        from ragen_core.pipeline import PreflightError, preflight
+
         try:  # fail on config errors before Prefect, Ray or a model starts
-            load_config(config, set_ or [])
-        except ConfigError as exc:
+            preflight(load_config(config, set_ or []))
+        except (ConfigError, PreflightError) as exc:
             fail(str(exc))
     from flows.train import TrainRequest
     from flows.train import train as train_flow

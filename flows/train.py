@@ -121,6 +121,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         cfg = run.config()
     else:
         cfg = load_config(request.config, request.overrides)
+        pipeline.preflight(cfg)
         run = create_run(cfg, request.run_name or (Path(request.config).stem if request.config else None))
     if request.backend:
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": request.backend})})

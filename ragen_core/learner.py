@@ -64,6 +64,7 @@ from ragen_core.algorithms import (
     value_loss,
     whiten,
 )
+from ragen_core.faults import crash_point
 
 __all__ = [
     "AlgorithmConfig",
@@ -1004,6 +1005,7 @@ class Learner:
             }
             (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
             _fsync_tree(tmp)
+            crash_point("checkpoint", int(iteration))
             if path.exists():
                 os.replace(path, old)
             os.replace(tmp, path)

@@ -31,6 +31,7 @@ import torch
 
 from ragen_core.algorithms import group_std_stats, select_groups
 from ragen_core.config import RagenConfig, config_hash, dump_config, load_config
+from ragen_core.faults import crash_point
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
 
@@ -76,7 +77,8 @@ class RunDir:
         return self.iter_dir(k) / "filter.json"
 
     def checkpoint(self, k: int) -> Path:
-        return self.iter_dir(k) / "checkpoint"
+        """Learner state after ``k`` iterations (``k = 0``: the fresh learner, saved once per run)."""
+        return self.root / "init_checkpoint" if k == 0 else self.iter_dir(k) / "checkpoint"
 
     def policy_after(self, k: int) -> Path:
         """The policy weights after ``k`` iterations (``init_policy`` for 0)."""
@@ -136,6 +138,43 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+class PreflightError(ValueError):
+    """The config cannot run on this machine; the message says what to change."""
+
+
+def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
+    """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
+    import importlib.util
+    import shutil
+
+    problems = []
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("rollout.engine=vllm but vLLM is not installed in this environment; install it on a "
+                        "GPU machine or run with --set rollout.engine=hf")
+    remote = bool(os.environ.get("RAY_ADDRESS"))
+    if not remote and not torch.cuda.is_available():
+        if cfg.learner.num_gpus > 0:
+            problems.append(f"learner.num_gpus={cfg.learner.num_gpus} but this machine has no GPU; "
+                            "--set learner.num_gpus=0 (or set RAY_ADDRESS to a cluster with GPUs)")
+        if cfg.trainer.rollout_gpus > 0:
+            problems.append(f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
+                            "--set trainer.rollout_gpus=0")
+    root = Path(cfg.trainer.run_root)
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        problems.append(f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
+                        "--set trainer.run_root")
+    else:
+        free_gb = shutil.disk_usage(probe).free / 2**30
+        if free_gb < min_free_gb:
+            problems.append(f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
+                            f"more than {min_free_gb} GiB); free space or choose another run root")
+    if problems:
+        raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+
+
 def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:
     """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``."""
     chash = config_hash(cfg)
@@ -191,6 +230,8 @@ class Session:
         else:
             raise ValueError(f"unknown backend {backend!r}; use 'ray' or 'local'")
         self.at = 0
+        if not (run.checkpoint(0) / "manifest.json").exists():  # so that restore(0) can undo steps
+            self.learner.save_checkpoint(str(run.checkpoint(0)), 0)
 
     def call_worker(self, method: str, *args: Any) -> Any:
         if self.backend == "ray":
@@ -207,8 +248,7 @@ class Session:
         """Put the learner and the rollout worker at the state after iteration ``k``."""
         if k == self.at:
             return
-        if k > 0:
-            self.learner.load_checkpoint(str(self.run.checkpoint(k)))
+        self.learner.load_checkpoint(str(self.run.checkpoint(k)))
         self.call_worker("load_weights_from", str(self.run.policy_after(k)))
         self.at = k
 
@@ -270,6 +310,7 @@ def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tu
     t0 = time.perf_counter()
     table, env_metrics = session.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"),
                                              cfg.trainer.seed, run.info().get("run_id", ""))
+    crash_point("rollout", k)
     path = write_table(table, run.rollouts(k))
     seconds = time.perf_counter() - t0
     tokens = sum(sum(m) for m in table.column("loss_mask").to_pylist())
@@ -302,6 +343,7 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, rollout
     t0 = time.perf_counter()
     metrics = session.learner.step(to_token_batch(table))
     metrics["timing_s/update"] = time.perf_counter() - t0
+    crash_point("learn", k)
     t0 = time.perf_counter()
     session.learner.save_checkpoint(str(run.checkpoint(k)), k)
     copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
