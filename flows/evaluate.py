@@ -11,7 +11,6 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
-from ragen_core.config import load_config
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.pipeline import RunDir, atomic_write_text, find_run
 from ragen_core.protocol import ProtocolConfig
@@ -31,10 +30,9 @@ class EvaluateRequest(BaseModel):
 
 def _resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig, int | None, str]:
     """(policy path or name, protocol, max_new_tokens, label) for a run reference or a model."""
-    run_root = load_config().trainer.run_root
     name, _, step = spec.partition("@")
     try:
-        run = find_run(name, run_root)
+        run = find_run(name)
     except FileNotFoundError:
         return spec, ProtocolConfig(), None, Path(spec).name or spec
     cfg = run.config()

@@ -8,7 +8,6 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
-from ragen_core.config import load_config
 from ragen_core.pipeline import find_run, rerun_stage
 
 
@@ -22,7 +21,7 @@ class RerunRequest(BaseModel):
 @flow(name="ragen-rerun", flow_run_name="rerun-{request.stage}-{request.iteration}")
 def rerun(request: RerunRequest) -> dict[str, object]:
     configure_environment()
-    run = find_run(request.run, load_config().trainer.run_root)
+    run = find_run(request.run)
     result = rerun_stage(run, request.iteration, request.stage, request.out_dir)
     get_run_logger().info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
     return {"stage": result.stage, "iteration": result.k, "output": str(result.output),

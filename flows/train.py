@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
+from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
@@ -32,6 +33,7 @@ from tasks.stages import (
     learn_task,
     register_session,
     rollout_task,
+    session_for,
 )
 
 
@@ -64,7 +66,7 @@ def warm_start_task(run_root: str) -> str:
 def iteration_flow(run_root: str, k: int) -> dict[str, float]:
     """One iteration: rollout -> filter -> learn (+ checkpoint) -> evaluate when due; then DONE."""
     run = RunDir(run_root)
-    cfg = run.config()
+    cfg = session_for(run).cfg
     rollout = rollout_task(run_root, k)
     kept = filter_task(run_root, k)
     learned = learn_task(run_root, k, kept["kept"])
@@ -92,7 +94,9 @@ def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: 
         return
     if k > 0 and run.rollouts(k).exists():
         tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-        tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k)
+        # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
+        tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k,
+                                append_table=k == cfg.trainer.iterations)
     if run.eval_file(k).exists():
         tracker.log_artifact(run.eval_file(k), "eval")
 
@@ -117,7 +121,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
     state = configure_environment()
     log = get_run_logger()
     if request.resume:
-        run = find_run(request.resume, load_config().trainer.run_root)
+        run = find_run(request.resume)
         cfg = run.config()
     else:
         cfg = load_config(request.config, request.overrides)
@@ -160,28 +164,31 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
             _log_step(tracker, run, cfg, 0, evaluate_task(str(run.root), 0)["metrics"])
         k = last
-        while k < cfg.trainer.iterations:
-            k += 1
-            metrics = iteration_flow(str(run.root), k)
-            signals = monitor.update(k, metrics)
-            if signals:
-                tracker.set_tags({f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
-                metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
-                for s in signals:
-                    log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
-            _log_step(tracker, run, cfg, k, metrics)
-            if monitor.should_stop:
-                tracker.set_tags({"echo_trap.action": f"stopped at iteration {k}"})
-                break
-            if monitor.should_rollback:
-                to = monitor.rollback_step(range(0, k))
-                if to is not None:
-                    log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
-                    session.restore(to)
-                    session.learner.save_checkpoint(str(run.checkpoint(k)), k, {"rolled_back_to": to})
-                    session.at = k
-                    monitor.reset_to(to)
-                    tracker.set_tags({f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+        # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
+        # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
+        with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+            while k < cfg.trainer.iterations:
+                k += 1
+                metrics = iteration_flow(str(run.root), k)
+                signals = monitor.update(k, metrics)
+                if signals:
+                    tracker.set_tags({f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
+                    metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
+                    for s in signals:
+                        log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
+                _log_step(tracker, run, cfg, k, metrics)
+                if monitor.should_stop:
+                    tracker.set_tags({"echo_trap.action": f"stopped at iteration {k}"})
+                    break
+                if monitor.should_rollback:
+                    to = monitor.rollback_step(range(0, k))
+                    if to is not None:
+                        log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
+                        session.restore(to)
+                        session.learner.save_checkpoint(str(run.checkpoint(k)), k, {"rolled_back_to": to})
+                        session.at = k
+                        monitor.reset_to(to)
+                        tracker.set_tags({f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
         best = _best_step(run, k)
         tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
         if cfg.tracking.log_artifacts:

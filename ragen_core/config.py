@@ -61,7 +61,7 @@ class TrainerConfig(BaseModel):
     eval_every: int = Field(default=10, ge=0, description="validate every k iterations (0: only at the ends)")
     val_before_train: bool = Field(default=True)
     seed: int = Field(default=0, description="the run's seed: sampling, shuffles, inits")
-    run_root: str = Field(default=".state/runs", description="run directories live here")
+    run_root: str | None = Field(default=None, description="run directories live here (default: <state folder>/runs)")
     backend: Literal["ray", "local"] = Field(
         default="ray", description="ray: rollout and learner actors; local: everything in this process"
     )

@@ -159,7 +159,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         if cfg.trainer.rollout_gpus > 0:
             problems.append(f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
                             "--set trainer.rollout_gpus=0")
-    root = Path(cfg.trainer.run_root)
+    root = Path(cfg.trainer.run_root or state_dir() / "runs")
     probe = root
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -175,11 +175,24 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
 
 
+def state_dir() -> Path:
+    """ragen-flow's state folder (``$RAGEN_STATE_DIR``, default ``.state``)."""
+    return Path(os.environ.get("RAGEN_STATE_DIR", ".state"))
+
+
+def _index_path() -> Path:
+    return state_dir() / "runs.json"
+
+
 def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:
-    """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``."""
+    """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``.
+
+    The id is recorded in the state folder's run index, so ``--resume ID`` finds the run wherever
+    its ``trainer.run_root`` put it.
+    """
     chash = config_hash(cfg)
     run_id = f"{name or cfg.trainer.run_name or 'run'}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
-    run = RunDir(Path(root or cfg.trainer.run_root) / run_id)
+    run = RunDir(Path(root or cfg.trainer.run_root or state_dir() / "runs") / run_id)
     try:
         run.root.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
@@ -187,15 +200,29 @@ def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLik
                       "is writable and the disk has space") from exc
     dump_config(cfg, run.config_path)
     run.update_info(run_id=run_id, config_hash=chash, created=time.time())
+    index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
+    index[run_id] = str(run.root.resolve())
+    atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True))
     return run
 
 
-def find_run(run_id_or_path: str, run_root: str | os.PathLike[str]) -> RunDir:
+def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:
+    """A run by directory, by id (the state folder's run index), or by id under ``run_root``."""
     p = Path(run_id_or_path)
-    run = RunDir(p if p.is_dir() else Path(run_root) / run_id_or_path)
-    if not run.config_path.exists():
-        raise FileNotFoundError(f"no run {run_id_or_path!r}: {run.root} has no config.yaml (run root: {run_root})")
-    return run
+    candidates = [p]
+    if _index_path().exists():
+        known = json.loads(_index_path().read_text()).get(run_id_or_path)
+        if known:
+            candidates.append(Path(known))
+    default_root = Path(run_root or state_dir() / "runs")
+    candidates.append(default_root / run_id_or_path)
+    for c in candidates:
+        if (c / "config.yaml").is_file():
+            return RunDir(c)
+    raise FileNotFoundError(
+        f"no run {run_id_or_path!r}: not a run directory, not in the run index {_index_path()}, and not "
+        f"under {default_root}; pass the run directory"
+    )
 
 
 # ------------------------------------------------------------------------------------ session

@@ -574,7 +574,7 @@ class Tracker:
         except Exception as e:
             raise self._store_error(f"upload {p} to run {run_id}", e) from e
 
-    def log_transcripts(self, rows: list[dict[str, Any]], step: int) -> None:
+    def log_transcripts(self, rows: list[dict[str, Any]], step: int, append_table: bool = True) -> None:
         """Keep the first ``transcripts_per_iteration`` rows of iteration ``step``: as
         ``transcripts/iter_XXXX.json`` (rows as JSON, overwritten on a re-log) and appended to the
         run's table ``transcripts.json`` (a ``step`` column; nested values as JSON strings) unless
@@ -589,7 +589,7 @@ class Tracker:
             f = Path(tmp) / f"iter_{step:04d}.json"
             f.write_text(json.dumps({"step": step, "rows": rows}, indent=1, default=str, ensure_ascii=False))
             self.log_artifact(f, "transcripts")
-        if self._table_step is not None and step <= self._table_step:
+        if not append_table or (self._table_step is not None and step <= self._table_step):
             return
         cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
         names = list(dict.fromkeys(k for r in rows for k in r))

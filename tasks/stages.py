@@ -94,7 +94,7 @@ def rollout_task(run_root: str, k: int) -> dict[str, Any]:
 @task(name="filter", cache_key_fn=_filter_key)
 def filter_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
-    kept, metrics = pipeline.filter_stage(run.config(), run.rollouts(k), run.filter_file(k))
+    kept, metrics = pipeline.filter_stage(session_for(run).cfg, run.rollouts(k), run.filter_file(k))
     return {"kept": kept, "metrics": metrics}
 
 
