@@ -1,0 +1,165 @@
+"""The training flow end to end at tiny scale: crash and resume, stage reruns, task caching."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+# One Prefect home for every run of this module: its database is created once (~10 s), not per run.
+PREFECT_HOME = Path(tempfile.mkdtemp(prefix="ragen-prefect-home-"))
+CONFIG = ROOT / "configs" / "bandit-tiny.yaml"
+TINY = [
+    "trainer.iterations=3", "trainer.eval_every=3", "sft.steps=20", "sft.episodes_per_tag=32",
+    "train.n_groups=[4]", "train.group_size=4", "val.n_groups=[16]", "learner.optim.mini_batch_size=4",
+    "learner.optim.micro_batch_size=4", "rollout.max_new_tokens=24", "trainer.backend=local",
+]
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def ragen(args: list[str], state: Path, crash: str | None = None, timeout: float = 600,
+          extra_env: dict[str, str] | None = None) -> Result:
+    """Run the CLI in its own process group; afterwards kill what it left behind (a SIGKILLed run
+    cannot stop its ephemeral Prefect server), and read its output from files, not pipes."""
+    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1",
+           "PREFECT_HOME": str(PREFECT_HOME), **(extra_env or {})}
+    for key in ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        env.pop(key, None)
+    env.update(extra_env or {})
+    if crash:
+        env["RAGEN_CRASH_AT"] = crash
+    state.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = state / "cli.out", state / "cli.err"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return Result(code, out_path.read_text(), err_path.read_text())
+
+
+def train(state: Path, crash: str | None = None) -> Result:
+    sets = [x for o in [*TINY, f"trainer.run_root={state / 'runs'}"] for x in ("--set", o)]
+    return ragen(["train", str(CONFIG), *sets], state, crash)
+
+
+def only_run(state: Path) -> Path:
+    runs = [p for p in (state / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def weights(run: Path, k: int) -> dict[str, dict[str, torch.Tensor]]:
+    ckpt = run / f"iter_{k:04d}" / "checkpoint"
+    return {"policy": safetensors.torch.load_file(str(ckpt / "policy" / "model.safetensors")),
+            "critic": safetensors.torch.load_file(str(ckpt / "critic.safetensors"))}
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    for part in a:
+        assert a[part].keys() == b[part].keys()
+        for key in a[part]:
+            assert torch.equal(a[part][key], b[part][key]), (part, key)
+
+
+def mlflow_steps(state: Path, run: Path) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
+    run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    return sorted(m.step for m in client.get_metric_history(run_id, "iteration"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An uninterrupted tiny run."""
+    state = tmp_path_factory.mktemp("reference")
+    out = train(state)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return state, only_run(state)
+
+
+def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) -> None:
+    state, run = reference
+    assert all((run / f"iter_{k:04d}" / "DONE").exists() for k in (1, 2, 3))
+    assert mlflow_steps(state, run) == [0, 1, 2, 3]
+    metrics = json.loads((run / "iter_0003" / "metrics.json").read_text())
+    for key in ("train/Bandit/success", "val-env/Bandit/success", "rollout/in_group_std", "actor/entropy",
+                "actor/grad_norm", "critic/vf_loss", "actor/pg_clipfrac", "response_length/mean",
+                "timing_s/gen", "perf/tokens_per_s"):
+        assert key in metrics, key
+
+
+@pytest.mark.parametrize("point", ["rollout", "learn", "checkpoint"])
+def test_killed_run_resumes_to_the_same_weights(point: str, reference: tuple[Path, Path], tmp_path: Path) -> None:
+    crashed = train(tmp_path, crash=f"{point}:2")
+    assert crashed.returncode == -9, crashed.stderr[-3000:]  # SIGKILL: nothing got to clean up
+    run = only_run(tmp_path)
+    assert (run / "iter_0001" / "DONE").exists() and not (run / "iter_0002" / "DONE").exists()
+    mlflow_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
+    resumed = ragen(["train", "--resume", run.name], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert json.loads((run / "run.json").read_text())["mlflow_run_id"] == mlflow_id  # the same MLflow run
+    assert mlflow_steps(tmp_path, run) == [0, 1, 2, 3]  # nothing lost, nothing logged twice
+    assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
+
+
+@pytest.mark.parametrize("stage", ["learn", "rollout"])
+def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path, Path]) -> None:
+    state, run = reference
+    out = ragen(["rerun", str(run), "--iteration", "3", "--stage", stage], state)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "identical" in out.stdout
+
+
+def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path: Path) -> None:
+    import shutil
+
+    state, run = reference
+    copy = tmp_path / run.name
+    shutil.copytree(run, copy)
+    ckpt = copy / "iter_0003" / "checkpoint" / "policy" / "model.safetensors"
+    tensors = safetensors.torch.load_file(str(ckpt))
+    first = next(iter(tensors))
+    tensors[first] = tensors[first] + 1e-3
+    safetensors.torch.save_file(tensors, str(ckpt))
+    out = ragen(["rerun", str(copy), "--iteration", "3", "--stage", "learn"], state)
+    assert out.returncode == 2 and "DIFFERENT" in out.stdout
+
+
+def test_config_typo_fails_before_any_work(tmp_path: Path) -> None:
+    out = ragen(["train", str(CONFIG), "--set", "learner.optim.mini_bach_size=4"], tmp_path)
+    assert out.returncode == 1
+    assert "did you mean learner.optim.mini_batch_size" in out.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_unreachable_tracking_server_fails_fast(tmp_path: Path) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    sets = [x for o in [*TINY, f"trainer.run_root={tmp_path / 'runs'}"] for x in ("--set", o)]
+    out = ragen(["train", str(CONFIG), *sets], tmp_path, timeout=300,
+                extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})  # discard port: nothing listens
+    elapsed = time.perf_counter() - t0
+    assert out.returncode != 0
+    assert "http://127.0.0.1:9" in out.stderr + out.stdout and "unreachable" in out.stderr + out.stdout
+    assert elapsed < 120
