@@ -11,7 +11,7 @@ Instances are built once and re-seeded at every :meth:`EnvGroups.reset`, as in R
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -219,6 +219,8 @@ class EnvGroups:
                 spec = getattr(env, "spec", None)
                 if not isinstance(spec, EnvSpec):
                     spec = envs.spec(tag, **overrides)
+                if self.protocol.max_actions_per_traj is not None:
+                    spec = replace(spec, max_actions_per_traj=self.protocol.max_actions_per_traj)
                 self._states.append(
                     _EnvState(env_id=env_id, group_id=env_id // self.group_size, tag=tag, env=env, spec=spec)
                 )

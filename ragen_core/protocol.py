@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from envs.base import format_reward
 
@@ -59,6 +59,9 @@ class ProtocolConfig(BaseModel):
     max_context_window: int = -1
     system_prompt: str = "You're a helpful assistant. "
     max_turn: int = 5
+    #: per-episode action budget for every tag (None: each tag's catalogue value); the paper's
+    #: actions-per-turn ablation sets it to 5 x max_actions_per_turn
+    max_actions_per_traj: int | None = Field(default=None, ge=1)
 
     @field_validator("max_actions_per_turn")
     @classmethod

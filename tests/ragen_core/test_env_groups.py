@@ -397,3 +397,16 @@ def test_real_countdown_oracle() -> None:
     out = g.step({i: f"<answer>{g.env(i).solution}</answer>" for i in g.env_ids})
     assert all(o.success and o.reward == 1.0 for o in out.values())
     assert g.metrics()["Countdown/success"] == 1.0
+
+
+def test_protocol_can_set_the_episode_budget_for_every_tag() -> None:
+    """The actions-per-turn ablation (paper table 3) sets the budget to 5 x actions per turn."""
+    import pytest
+    from pydantic import ValidationError
+
+    g = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[1], group_size=1),
+                  ProtocolConfig(max_actions_per_traj=15))
+    g.reset(0)
+    assert g.history(0)[0].actions_left == 15 and "up to 15 actions" in g.prefix(0)
+    with pytest.raises(ValidationError):
+        ProtocolConfig(max_actions_per_traj=0)
