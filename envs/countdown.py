@@ -34,16 +34,16 @@ graded as an equation); ``success`` = reward == ``score``.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from envs.arith import MAX_LENGTH, integers_in, try_evaluate
 from envs.base import Env, StepResult, format_reward
+from envs.datafiles import read_rows
 
 MAX_INTERMEDIATE = 10_000
 """Largest product the generator forms on the way to a target (keeps solutions human-sized)."""
@@ -215,18 +215,7 @@ def load_puzzles(path: str | Path, max_instances: int | None = None) -> list[tup
     Parquet needs pyarrow, imported here only (``envs`` depends on the stdlib and numpy).
     """
     path = Path(path)
-    rows: list[dict[str, Any]]
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:  # pragma: no cover - pyarrow is a core dependency
-            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from exc
-        rows = pq.read_table(path, columns=["target", "nums"]).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-    else:
-        raise ValueError(f"Countdown data file must be .jsonl or .parquet, got {path}")
+    rows = read_rows(path, "Countdown", columns=["target", "nums"])
     if max_instances is not None:
         rows = rows[:max_instances]
     puzzles: list[tuple[list[int], int]] = []

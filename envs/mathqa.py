@@ -36,9 +36,10 @@ import random
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from envs.base import Env, StepResult
+from envs.datafiles import read_rows
 
 DEFAULT_DATA_PATH = Path(__file__).with_name("data") / "mathqa_arith.jsonl"
 """The shipped arithmetic set (``generate_arith_set(500, seed=0)``)."""
@@ -87,18 +88,7 @@ def load_questions(path: str | Path) -> list[tuple[str, str]]:
     Parquet needs pyarrow, imported here only (``envs`` depends on the stdlib and numpy).
     """
     path = Path(path)
-    rows: list[dict[str, Any]]
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:  # pragma: no cover - pyarrow is a core dependency
-            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from exc
-        rows = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-    else:
-        raise ValueError(f"MathQA data file must be .jsonl or .parquet, got {path}")
+    rows = read_rows(path, "MathQA")
     questions: list[tuple[str, str]] = []
     for k, row in enumerate(rows):
         if "query" in row and "response" in row:

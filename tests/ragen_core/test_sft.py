@@ -23,6 +23,7 @@ from ragen_core.sft import (
     train_sft,
     warm_start,
 )
+from tests.ragen_core.test_runner import spans
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                    corpus_seeds=4, seed=3)
@@ -64,17 +65,6 @@ class ReplayEngine(RolloutEngine):
 
     def close(self):
         pass
-
-
-def spans(mask):
-    runs, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
 
 
 def replay(tok, cfg, demos):
