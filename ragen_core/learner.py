@@ -1079,12 +1079,12 @@ class Learner:
         return {"iteration": manifest["iteration"], "global_step": self.global_step, "extra": manifest["extra"]}
 
     def _read_policy(self, directory: Path) -> dict[str, torch.Tensor]:
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{directory}: no safetensors weights")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(safetensors.torch.load_file(str(f)))
+        from ragen_core.models import load_weight_files
+
+        try:
+            sd = load_weight_files(directory)
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{directory}: no safetensors weights") from exc
         if self.lora:
             import peft
 

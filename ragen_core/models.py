@@ -354,6 +354,22 @@ def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Pat
     return directory
 
 
+def load_weight_files(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a folder's ``*.safetensors`` files (a saved policy, possibly sharded).
+
+    Raises FileNotFoundError when the folder holds none.
+    """
+    import safetensors.torch
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors policy weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(safetensors.torch.load_file(str(f)))
+    return weights
+
+
 def _hf_home() -> str:
     return os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
 

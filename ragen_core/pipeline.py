@@ -319,6 +319,14 @@ def _sampling(cfg: RagenConfig, split: str) -> dict[str, Any]:
     return {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
 
 
+def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int = 1) -> tuple[pa.Table, dict]:
+    """One episode per env of ``split`` with the session's current policy: iteration ``k``'s train
+    seeds, or the fixed validation seeds. Shared by the stages and their reruns."""
+    iteration = k - 1 if split == "train" else 0
+    return session.call_worker("rollout", split, iteration, _sampling(cfg, split), cfg.trainer.seed,
+                               run.info().get("run_id", ""))
+
+
 def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
     masks = table.column("loss_mask").to_pylist()
     lengths = [sum(m) for m in masks]
@@ -335,8 +343,7 @@ def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
 def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
     """Iteration ``k``'s train rollouts with the policy after ``k - 1`` iterations."""
     t0 = time.perf_counter()
-    table, env_metrics = session.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"),
-                                             cfg.trainer.seed, run.info().get("run_id", ""))
+    table, env_metrics = play(cfg, run, session, "train", k)
     crash_point("rollout", k)
     path = write_table(table, run.rollouts(k))
     seconds = time.perf_counter() - t0
@@ -383,8 +390,7 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, rollout
 def evaluate_stage(cfg: RagenConfig, run: RunDir, step: int, session: Session) -> tuple[Path, dict[str, float]]:
     """Validation rollouts (fixed seeds, validation temperature) of the policy after ``step`` iterations."""
     t0 = time.perf_counter()
-    table, env_metrics = session.call_worker("rollout", "val", 0, _sampling(cfg, "val"), cfg.trainer.seed,
-                                             run.info().get("run_id", ""))
+    table, env_metrics = play(cfg, run, session, "val")
     path = write_table(table, run.eval_file(step))
     metrics = {f"val-env/{key}": v for key, v in env_metrics.items()}
     metrics.update(_response_metrics(table, "val/"))
@@ -486,16 +492,14 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     try:
         if stage == "rollout":
             session.restore(k - 1)
-            table, _ = session.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"), cfg.trainer.seed,
-                                           run.info().get("run_id", ""))
+            table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
             same = out.read_bytes() == run.rollouts(k).read_bytes()
             return RerunResult(stage, k, out, run.rollouts(k), same,
                                "byte-identical Parquet" if same else "Parquet files differ")
         if stage == "evaluate":
             session.restore(k)
-            table, _ = session.call_worker("rollout", "val", 0, _sampling(cfg, "val"), cfg.trainer.seed,
-                                           run.info().get("run_id", ""))
+            table, _ = play(cfg, run, session, "val")
             out = write_table(table, out_dir / "eval.parquet")
             stored = run.eval_file(k)
             same = stored.exists() and out.read_bytes() == stored.read_bytes()

@@ -65,8 +65,6 @@ class RolloutWorker:
         """
         from pathlib import Path
 
-        import safetensors.torch
-
         path = Path(policy_path)
         if (path / "adapter_config.json").exists():
             from peft import PeftModel
@@ -77,13 +75,9 @@ class RolloutWorker:
             merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
             self.engine.update_weights(merged.state_dict())
             return
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors policy weights")
-        weights: dict[str, torch.Tensor] = {}
-        for f in files:
-            weights.update(safetensors.torch.load_file(str(f)))
-        self.engine.update_weights(weights)
+        from ragen_core.models import load_weight_files
+
+        self.engine.update_weights(load_weight_files(path))
 
     def rollout(self, split: str, iteration: int, params: Mapping[str, Any], seed: int,
                 run_id: str = "") -> tuple[pa.Table, dict[str, float]]:
