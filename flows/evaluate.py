@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
@@ -26,6 +27,7 @@ class EvaluateRequest(BaseModel):
     seed: int = 0
     out_dir: str | None = Field(default=None, description="default: .state/evals/<name>-<time>")
     log_to_mlflow: bool = True
+    engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
 
 
 def _resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig, int | None, str]:
@@ -47,11 +49,15 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
 
     policy, protocol, max_new, label = _resolve_policy(request.policy)
     val = EnvGroupsConfig(tags=request.tags, n_groups=[request.n_per_tag] * len(request.tags), group_size=1)
-    worker = RolloutWorker(str(policy), protocol.model_dump(), val.model_dump(), val.model_dump())
+    worker = RolloutWorker(str(policy), protocol.model_dump(), val.model_dump(), val.model_dump(),
+                           engine=request.engine)
     params = {"temperature": request.temperature, "top_p": 1.0, "top_k": -1,
               "max_new_tokens": request.max_new_tokens or max_new or 100}
     t0 = time.perf_counter()
-    table, env_metrics = worker.rollout("val", 0, params, request.seed, label)
+    try:
+        table, env_metrics = worker.rollout("val", 0, params, request.seed, label)
+    finally:
+        worker.close()
     metrics = {f"val-env/{k}": v for k, v in env_metrics.items()}
     metrics["timing_s/testing"] = time.perf_counter() - t0
     out = Path(request.out_dir or state / "evals" / f"{label.replace('/', '_')}-{int(time.time())}")

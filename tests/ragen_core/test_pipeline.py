@@ -17,12 +17,17 @@ TINY = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=6
         "learner.optim.actor_lr=1e-3"]
 
 
-def test_preflight_names_what_to_change(tmp_path: Path) -> None:
+def test_preflight_names_what_to_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAGEN_VLLM_PYTHON", str(tmp_path / "no-vllm" / "python"))
     cfg = load_config("configs/paper/sokoban-starpo-s.yaml", [f"trainer.run_root={tmp_path}"])
     with pytest.raises(PreflightError) as err:
         preflight(cfg)
     text = str(err.value)
-    assert "rollout.engine=hf" in text and "learner.num_gpus=0" in text
+    assert "make vllm" in text and "rollout.engine=hf" in text and "learner.num_gpus=0" in text
+    # vLLM's CPU attention has no kernel for head size 8 (32 / 4 heads)
+    with pytest.raises(PreflightError, match=r"head size 8 .*model.num_heads"):
+        preflight(load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}", "rollout.engine=vllm"]))
+    monkeypatch.delenv("RAGEN_VLLM_PYTHON")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     bad = load_config(overrides=[*TINY, f"trainer.run_root={blocker / 'runs'}"])
