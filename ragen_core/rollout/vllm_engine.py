@@ -100,6 +100,7 @@ def _child_env() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": "WARNING",  # its INFO lines would flood the training log
     }
     for k, v in defaults.items():
         env.setdefault(k, v)
