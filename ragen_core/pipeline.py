@@ -115,14 +115,39 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+#: files at least this large are identified by (size, mtime_ns), not hashed: a 0.5B-parameter
+#: checkpoint (policy + critic + optimiser, ~12 GB in float32) would take tens of seconds to hash at
+#: every cache-key lookup. Rewriting a file changes its mtime, so a change still misses the cache.
+DIGEST_BY_STAT_BYTES = 64 * 2**20
+_DIGESTS: dict[str, tuple[tuple[int, int, int], str]] = {}
+
+
+def _one_digest(p: Path) -> str:
+    st = p.stat()
+    ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+    cached = _DIGESTS.get(str(p))
+    if cached is not None and cached[0] == ident:
+        return cached[1]  # unchanged since last hashed in this process
+    if st.st_size >= DIGEST_BY_STAT_BYTES:
+        digest = f"stat:{st.st_size}:{st.st_mtime_ns}"
+    else:
+        digest = hashlib.sha256(p.read_bytes()).hexdigest()
+    _DIGESTS[str(p)] = (ident, digest)
+    return digest
+
+
 def file_digest(path: Path) -> str:
-    """sha256 of a file, or of a directory's files (names and bytes, sorted)."""
+    """Digest of a file, or of a directory's files (names and per-file digests, sorted).
+
+    Per file: sha256 of its bytes, or ``(size, mtime_ns)`` for files of
+    :data:`DIGEST_BY_STAT_BYTES` or more; memoised per process while the file is unchanged.
+    """
     h = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for p in files:
         if path.is_dir():
             h.update(str(p.relative_to(path)).encode())
-        h.update(p.read_bytes())
+        h.update(_one_digest(p).encode())
     return h.hexdigest()
 
 

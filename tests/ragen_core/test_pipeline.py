@@ -69,3 +69,28 @@ def test_iteration_flow_is_a_cache_hit_until_an_upstream_artifact_changes(tmp_pa
     finally:
         drop_session(run)
         session.close()
+
+
+def test_file_digest_follows_content_and_skips_rehashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ragen_core import pipeline
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "a.bin").write_bytes(b"x" * 100)
+    (d / "big.bin").write_bytes(b"y" * 300)
+    monkeypatch.setattr(pipeline, "DIGEST_BY_STAT_BYTES", 200)  # big.bin is identified by stat
+    first = pipeline.file_digest(d)
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or real(self))
+    assert pipeline.file_digest(d) == first and reads == []  # memoised: nothing read again
+    (d / "a.bin").write_bytes(b"z" * 100)  # same size, new content
+    assert pipeline.file_digest(d) != first and reads == ["a.bin"]
+    second = pipeline.file_digest(d)
+    st = (d / "big.bin").stat()
+    (d / "big.bin").write_bytes(b"w" * 300)  # a large file rewritten: new mtime, new digest
+    os.utime(d / "big.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+    assert pipeline.file_digest(d) != second
+    assert "big.bin" not in reads  # never read: identified by (size, mtime)
