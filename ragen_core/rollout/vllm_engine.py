@@ -112,8 +112,8 @@ class VLLMEngine(RolloutEngine):
     bounds prompt + generation (a prompt that does not fit raises :class:`PromptTooLongError`);
     ``stop_token_ids`` are the default stop ids (usually the tokenizer's eos). The vLLM settings
     (``dtype``, ``gpu_memory_utilization``, ``enforce_eager``, ``tensor_parallel_size``, ``seed``)
-    go to ``vllm.LLM`` unchanged. ``startup_timeout`` bounds the engine start (vLLM's own
-    start-up is ~20 s on 2 CPU cores).
+    go to ``vllm.LLM`` unchanged. ``startup_timeout`` bounds the engine start (measured here:
+    30-45 s on the 2 shared CPU cores, once per training run).
     """
 
     def __init__(
