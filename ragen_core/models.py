@@ -374,17 +374,8 @@ def _hf_home() -> str:
     return os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
 
 
-def load_policy(
-    path_or_name: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | None = None
-):
-    """Load ``(model, tokenizer)`` from a local directory or a model already in the local HF cache.
-
-    Never downloads (``local_files_only=True``). The tokenizer must carry a chat template; it is
-    set to left padding, and its pad token defaults to its eos token when it has none.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name = str(path_or_name)
+def _local_source(name: str) -> tuple[str, bool]:
+    """``(what to pass to from_pretrained, whether it is a local folder)``; a missing folder raises."""
     p = Path(name).expanduser()
     looks_local = p.is_absolute() or name.startswith((".", "~")) or p.exists()
     if looks_local and not p.is_dir():
@@ -392,10 +383,14 @@ def load_policy(
             f"model {name!r} not found locally: no such directory; no downloads here: pass a local "
             f"directory or pre-populate HF_HOME ({_hf_home()})"
         )
-    source = str(p) if looks_local else name
+    return (str(p) if looks_local else name), looks_local
+
+
+def _from_pretrained(cls: Any, name: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` without downloads; a name missing from the HF cache says how to fix it."""
+    source, looks_local = _local_source(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch_dtype(dtype))
+        return cls.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         if looks_local:
             raise
@@ -403,6 +398,14 @@ def load_policy(
             f"model {name!r} not found locally; no downloads here: pass a local directory or pre-populate "
             f"HF_HOME ({_hf_home()}). ({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def load_tokenizer(path_or_name: str | os.PathLike):
+    """A policy's tokenizer, as :func:`load_policy` loads it (chat template required, left padding)."""
+    from transformers import AutoTokenizer
+
+    name = str(path_or_name)
+    tokenizer = _from_pretrained(AutoTokenizer, name)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer of {name!r} has no chat_template; set one or use a chat model "
@@ -411,6 +414,21 @@ def load_policy(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(
+    path_or_name: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | None = None
+):
+    """Load ``(model, tokenizer)`` from a local directory or a model already in the local HF cache.
+
+    Never downloads (``local_files_only=True``). The tokenizer must carry a chat template; it is
+    set to left padding, and its pad token defaults to its eos token when it has none.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path_or_name)
+    model = _from_pretrained(AutoModelForCausalLM, str(path_or_name), dtype=torch_dtype(dtype))
     if device is not None:
         model = model.to(device)
     model.eval()

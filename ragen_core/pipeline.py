@@ -175,19 +175,16 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
 
     problems = []
     if cfg.rollout.engine == "vllm":
-        from ragen_core.rollout.vllm_engine import CPU_HEAD_SIZES, VLLMUnavailableError, check_vllm
+        from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, cpu_head_size_problem
 
         try:
             check_vllm()
         except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"rollout.engine=vllm: {exc}")
-        m = cfg.model
-        if m.path is None and not torch.cuda.is_available() and m.hidden_size // m.num_heads not in CPU_HEAD_SIZES:
-            problems.append(
-                f"rollout.engine=vllm: head size {m.hidden_size // m.num_heads} (model.hidden_size / "
-                f"model.num_heads) is not one vLLM's CPU attention supports {list(CPU_HEAD_SIZES)}; "
-                "change model.num_heads (e.g. hidden_size 64 with num_heads 2) or use rollout.engine=hf"
-            )
+        m = cfg.model  # a tiny model is built from these; a saved one is checked when its engine starts
+        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if m.path is None else None
+        if problem:
+            problems.append(f"rollout.engine=vllm: {problem}")
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and not torch.cuda.is_available():
         if cfg.learner.num_gpus > 0:

@@ -81,6 +81,17 @@ def check_vllm(python: Path | None = None, timeout: float = 120.0) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def cpu_head_size_problem(head_dim: int | None) -> str | None:
+    """Why vLLM cannot run a model of this head size on this machine (CPU only), or None."""
+    if head_dim is None or torch.cuda.is_available() or head_dim in CPU_HEAD_SIZES:
+        return None
+    return (
+        f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, this model has {head_dim} "
+        f"(head size {head_dim} = model.hidden_size / model.num_heads): change model.num_heads (e.g. "
+        "hidden_size 64 with num_heads 2) or use rollout.engine=hf"
+    )
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
@@ -135,12 +146,9 @@ class VLLMEngine(RolloutEngine):
         self.python = Path(python) if python else vllm_python()
         if not self.python.exists():
             raise VLLMUnavailableError(f"no vLLM interpreter at {self.python}: {_fix()}")
-        if head_dim is not None and not torch.cuda.is_available() and head_dim not in CPU_HEAD_SIZES:
-            raise ValueError(
-                f"vLLM's CPU attention supports head sizes {list(CPU_HEAD_SIZES)}, this model has "
-                f"{head_dim} (hidden_size / num_heads): pick model.num_heads so that the head size is one "
-                "of those, or use rollout.engine=hf"
-            )
+        problem = cpu_head_size_problem(head_dim)
+        if problem:
+            raise ValueError(problem)
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)

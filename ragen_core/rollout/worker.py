@@ -48,12 +48,11 @@ class RolloutWorker:
                                                   max_model_len=max_model_len)
         elif engine == "vllm":
             # vLLM holds the weights in its own process: only the tokenizer is loaded here
-            from transformers import AutoTokenizer
-
+            from ragen_core.models import load_tokenizer
             from ragen_core.rollout.vllm_engine import engine_from_policy
 
             self.model = None
-            self.tokenizer = AutoTokenizer.from_pretrained(policy_path, local_files_only=True)
+            self.tokenizer = load_tokenizer(policy_path)
             self.engine = engine_from_policy(policy_path, self.tokenizer, max_model_len=max_model_len,
                                              **dict(engine_options or {}))
         else:
