@@ -194,10 +194,11 @@ def cpu_now() -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------ set-up
-def bench_config(config: str, iterations: int, backend: str, threads: int, run_root: Path) -> Any:
+def bench_config(config: str, iterations: int, backend: str, threads: int, run_root: Path,
+                 iteration_as: str | None = None) -> Any:
     from ragen_core.config import load_config
 
-    return load_config(config, [
+    return load_config(config, [*([f"trainer.iteration_as={iteration_as}"] if iteration_as else []),
         f"trainer.backend={backend}", f"trainer.iterations={iterations}", "trainer.val_before_train=false",
         "trainer.eval_every=0", f"trainer.rollout_threads={threads}", f"trainer.run_root={run_root}",
     ])
@@ -331,8 +332,10 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             plain.iteration(state["deferred"])
             state["deferred"] = 0
 
-    real_iteration_flow, real_session, real_best = ft.iteration_flow, ft.Session, ft._best_step
+    real_iteration_flow, real_iteration_task = ft.iteration_flow, ft.iteration_task
+    real_session, real_best = ft.Session, ft._best_step
     real_configure = ft.configure_environment
+    real_iteration = real_iteration_task if cfg.trainer.iteration_as == "task" else real_iteration_flow
 
     def iteration_flow(run_root: str, k: int) -> dict[str, float]:
         close_open(time.perf_counter())
@@ -349,7 +352,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             prof.enable()
         flow_cpu0[k] = cpu_now()
         flow_start[k] = time.perf_counter()
-        return real_iteration_flow(run_root, k)
+        return real_iteration(run_root, k)
 
     def session(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -367,15 +370,15 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         marks["flow_body"] = time.perf_counter()
         return real_configure(*args, **kwargs)
 
-    ft.iteration_flow, ft.Session, ft._best_step, ft.configure_environment = (
-        iteration_flow, session, best_step, configure)
+    ft.iteration_flow, ft.iteration_task, ft.Session, ft._best_step, ft.configure_environment = (
+        iteration_flow, iteration_flow, session, best_step, configure)
     try:
         marks["call"] = time.perf_counter()
         result = ft.train(ft.TrainRequest(resume=str(flow_run.root), backend=backend))
         marks["return"] = time.perf_counter()
     finally:
-        ft.iteration_flow, ft.Session, ft._best_step, ft.configure_environment = (
-            real_iteration_flow, real_session, real_best, real_configure)
+        ft.iteration_flow, ft.iteration_task, ft.Session, ft._best_step, ft.configure_environment = (
+            real_iteration_flow, real_iteration_task, real_session, real_best, real_configure)
         clock.active = False
         plain.close()
     if result["last_iteration"] != n or sorted(flow_times) != list(range(1, n + 1)):
@@ -493,6 +496,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the flow's iterations")
     parser.add_argument("--fresh", action="store_true", help="redo the cached SFT warm start")
     parser.add_argument("--keep", action="store_true", help="keep the temporary state folder")
+    parser.add_argument("--iteration-as", choices=["subflow", "task"], default=None,
+                        help="override trainer.iteration_as (default: the config's)")
     args = parser.parse_args()
     n = args.iterations or (5 if args.quick else 10)
     if n < 3:
@@ -511,10 +516,10 @@ def main() -> None:
     clock = Clock()
     instrument(clock)
     try:
-        cfg = bench_config(args.config, n, "local", args.threads, state / "runs")
+        cfg = bench_config(args.config, n, "local", args.threads, state / "runs", args.iteration_as)
         init_policy, warm_s, cached = warm_start_once(cfg, args.fresh)
         print(f"config {Path(args.config).name}: train {cfg.train.n_groups} groups x {cfg.train.group_size}, "
-              f"max_turn {cfg.agent.max_turn}, max_new_tokens {cfg.rollout.max_new_tokens}, validation "
+              f"iteration as a {cfg.trainer.iteration_as}, max_turn {cfg.agent.max_turn}, max_new_tokens {cfg.rollout.max_new_tokens}, validation "
               f"{cfg.val.n_groups} x {cfg.val.group_size} after iteration {n}; torch threads {args.threads}")
         print(f"warm start (SFT, once, shared by both sides): {warm_s:.1f} s"
               + (f" (cached in {init_policy})" if cached else ""))
@@ -524,7 +529,7 @@ def main() -> None:
             print_profile(results[0]["profile"])
         ray_line = None
         if args.ray and not args.quick:
-            cfg_ray = bench_config(args.config, n, "ray", args.threads, state / "runs")
+            cfg_ray = bench_config(args.config, n, "ray", args.threads, state / "runs", args.iteration_as)
             res = compare(cfg_ray, init_policy, "ray", clock, False)
             r_ratio, r_overhead = summarize(res)
             ray_line = (r_ratio, r_overhead)

@@ -1,11 +1,14 @@
 """The training flow: warm start, then reproducible iterations, tracked in MLflow.
 
 ``train`` is the Prefect flow a user runs (``ragen train``, or a deployment from ``prefect.yaml``);
-each iteration is its own subflow of four tasks (rollout -> filter -> learn -> evaluate). The
-library does the work (``ragen_core.pipeline``); this module adds orchestration, caching, retries,
-tracking and the Echo-Trap monitor. Metrics reach MLflow only after the iteration's ``metrics.json``
-and DONE mark are on disk, and logging is idempotent per step, so a killed run resumes with no
-iteration lost, duplicated or double-logged.
+each iteration groups four tasks (rollout -> filter -> learn -> evaluate), as a subflow of its own
+(``trainer.iteration_as: subflow``, the default) or as a parent task run that nests them (``task``:
+no API round trips, for tiny configs whose iterations take a second). The library does the work
+(``ragen_core.pipeline``); this module adds orchestration, caching, retries, tracking and the
+Echo-Trap monitor. Metrics reach MLflow only after the iteration's ``metrics.json`` and DONE mark
+are on disk (from a background thread, while the next iteration runs; in order, and flushed before
+the run ends), and logging is idempotent per step, so a killed run resumes with no iteration lost,
+duplicated or double-logged.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
@@ -24,7 +28,7 @@ from ragen_core import pipeline
 from ragen_core.config import RagenConfig, config_hash, flatten, load_config
 from ragen_core.monitor import EchoTrapMonitor
 from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
-from ragen_core.tracking import Tracker
+from ragen_core.tracking import BackgroundLog, Tracker
 from ragen_core.trajectory import read_trajectories
 from tasks.stages import (
     drop_session,
@@ -62,8 +66,7 @@ def warm_start_task(run_root: str) -> str:
     return str(pipeline.init_policy_stage(run.config(), run))
 
 
-@flow(name="ragen-iteration", flow_run_name="iteration-{k}")
-def iteration_flow(run_root: str, k: int) -> dict[str, float]:
+def run_iteration(run_root: str, k: int) -> dict[str, float]:
     """One iteration: rollout -> filter -> learn (+ checkpoint) -> evaluate when due; then DONE."""
     run = RunDir(run_root)
     cfg = session_for(run).cfg
@@ -75,6 +78,14 @@ def iteration_flow(run_root: str, k: int) -> dict[str, float]:
         metrics.update(evaluate_task(run_root, k)["metrics"])
     finish_iteration(run, k, metrics)
     return metrics
+
+
+#: An iteration as a flow run of its own (``trainer.iteration_as: subflow``, the default) ...
+iteration_flow = flow(name="ragen-iteration", flow_run_name="iteration-{k}")(run_iteration)
+#: ... or as a parent task run nesting the stage tasks (``task``): Prefect orchestrates task runs on
+#: the client, so this costs no API round trips; the stage tasks' caching decides what reruns.
+iteration_task = task(name="ragen-iteration", task_run_name="iteration-{k}", cache_policy=NO_CACHE,
+                      persist_result=False)(run_iteration)
 
 
 def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
@@ -141,6 +152,8 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         run_id=info.get("mlflow_run_id"), parent_run_id=request.parent_run_id,
     )
     run.update_info(mlflow_run_id=mlflow_run)
+    # An iteration's MLflow calls overlap the next iteration (in order; errors surface at the next one).
+    background = BackgroundLog(cfg.tracking.background)
     session = None
     status = "FAILED"
     try:
@@ -169,16 +182,18 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         with temporary_settings(updates={"flows.heartbeat_frequency": None}):
             while k < cfg.trainer.iterations:
                 k += 1
-                metrics = iteration_flow(str(run.root), k)
+                iteration = iteration_task if cfg.trainer.iteration_as == "task" else iteration_flow
+                metrics = iteration(str(run.root), k)
                 signals = monitor.update(k, metrics)
                 if signals:
-                    tracker.set_tags({f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
+                    background.submit(tracker.set_tags,
+                                      {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
                     metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
                     for s in signals:
                         log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
-                _log_step(tracker, run, cfg, k, metrics)
+                background.submit(_log_step, tracker, run, cfg, k, dict(metrics))
                 if monitor.should_stop:
-                    tracker.set_tags({"echo_trap.action": f"stopped at iteration {k}"})
+                    background.submit(tracker.set_tags, {"echo_trap.action": f"stopped at iteration {k}"})
                     break
                 if monitor.should_rollback:
                     to = monitor.rollback_step(range(0, k))
@@ -188,7 +203,9 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
                         session.learner.save_checkpoint(str(run.checkpoint(k)), k, {"rolled_back_to": to})
                         session.at = k
                         monitor.reset_to(to)
-                        tracker.set_tags({f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+                        background.submit(tracker.set_tags,
+                                          {f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+        background.flush()
         best = _best_step(run, k)
         tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
         if cfg.tracking.log_artifacts:
@@ -202,6 +219,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         return {"run_id": info["run_id"], "run_dir": str(run.root), "mlflow_run_id": mlflow_run,
                 "last_iteration": k, "best_step": best, "metrics": final}
     finally:
+        background.close()
         if session is not None:
             drop_session(run)
             session.close()

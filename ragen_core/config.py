@@ -69,6 +69,12 @@ class TrainerConfig(BaseModel):
     rollout_cpus: float = Field(default=1, gt=0, description="CPUs of the rollout actor")
     rollout_gpus: float = Field(default=0, ge=0, description="GPUs of the rollout actor")
     rollout_threads: int | None = Field(default=None, ge=1, description="torch threads in the rollout worker")
+    iteration_as: Literal["subflow", "task"] = Field(
+        default="subflow",
+        description="subflow: each iteration is a Prefect flow run of its own (its own page in the UI; ~7 API "
+        "calls, a few hundred ms per iteration); task: a parent task run that nests the stage tasks "
+        "(client-side, no API round trips; for iterations of a second or two)",
+    )
 
 
 class RagenConfig(BaseModel):

@@ -101,6 +101,11 @@ class TrackingConfig(BaseModel):
     connect_timeout_s: float = Field(
         default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
     )
+    background: bool = Field(
+        default=True,
+        description="log each iteration from a background thread while the next one trains (in order; an "
+        "error stops the run at the next iteration, and everything is flushed before the run ends)",
+    )
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -622,3 +627,54 @@ class Tracker:
         for p in paths:
             self.log_artifact(p, "plots")
         return paths
+
+
+# ---------------------------------------------------------------------------- background logging
+class BackgroundLog:
+    """Runs tracking calls on one worker thread, in submission order, off the training loop's path.
+
+    An iteration's MLflow calls (metrics, the Parquet artifact, transcripts) then overlap the next
+    iteration instead of delaying it. Nothing is lost silently: the first failure is raised by the
+    next ``submit`` and by every ``flush`` (and nothing queued after it runs), and the iteration's
+    ``metrics.json`` is already on disk, so a resumed run re-logs what did not reach the store.
+    ``enabled=False`` runs every call at once, in the caller's thread.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.enabled = enabled
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-tracking") if enabled else None
+        self._pending: list[Any] = []
+        self._error: BaseException | None = None
+
+    def _run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._error is None:  # after a failure, later calls would log out of order: skip them
+            try:
+                fn(*args, **kwargs)
+            except BaseException as e:
+                self._error = e
+
+    def _raise(self) -> None:
+        self._pending = [f for f in self._pending if not f.done()]
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Queue ``fn(*args, **kwargs)``; raises the error of an earlier call, if one failed."""
+        if self._pool is None:
+            fn(*args, **kwargs)
+            return
+        self._raise()
+        self._pending.append(self._pool.submit(self._run, fn, args, kwargs))
+
+    def flush(self) -> None:
+        """Wait for every queued call; raises the first error."""
+        for f in list(self._pending):
+            f.result()
+        self._raise()
+
+    def close(self) -> None:
+        """Wait for the queue (errors are left to ``flush``) and stop the thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

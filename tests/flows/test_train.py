@@ -55,8 +55,8 @@ def ragen(args: list[str], state: Path, crash: str | None = None, timeout: float
     return Result(code, out_path.read_text(), err_path.read_text())
 
 
-def train(state: Path, crash: str | None = None) -> Result:
-    sets = [x for o in [*TINY, f"trainer.run_root={state / 'runs'}"] for x in ("--set", o)]
+def train(state: Path, crash: str | None = None, extra: tuple[str, ...] = ()) -> Result:
+    sets = [x for o in [*TINY, *extra, f"trainer.run_root={state / 'runs'}"] for x in ("--set", o)]
     return ragen(["train", str(CONFIG), *sets], state, crash)
 
 
@@ -106,6 +106,19 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
                 "actor/grad_norm", "critic/vf_loss", "actor/pg_clipfrac", "response_length/mean",
                 "timing_s/gen", "perf/tokens_per_s"):
         assert key in metrics, key
+
+
+def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Path], tmp_path: Path) -> None:
+    """bandit-tiny runs its iterations as nested task runs; as subflows (the default of the paper
+    configs) the same config trains the same weights and logs the same steps."""
+    from ragen_core.config import load_config
+
+    assert load_config(CONFIG).trainer.iteration_as == "task"
+    out = train(tmp_path, extra=("trainer.iteration_as=subflow",))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert mlflow_steps(tmp_path, run) == [0, 1, 2, 3]
+    assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
 
 
 @pytest.mark.parametrize("point", ["rollout", "learn", "checkpoint"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ragen_core.tracking import (
     ITERATION_KEY,
     PARENT_TAG,
     SKIPPED_KEY,
+    BackgroundLog,
     Tracker,
     TrackingConfig,
     TrackingError,
@@ -210,6 +212,45 @@ def test_failed_log_batch_raises_and_can_be_retried(state_dir: Path, monkeypatch
     with pytest.raises(ValueError, match="both map"):
         tr.log_iteration(7, {"p@1": 1.0, "p_at_1": 2.0})
     tr.end()
+
+
+def test_background_log_keeps_order_and_surfaces_the_first_error(state_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch):
+    tr = make(state_dir)
+    run_id = tr.start("background", {})
+    bg = BackgroundLog()
+    for k in range(1, 6):
+        bg.submit(tr.log_iteration, k, {"a": float(k)})
+    bg.flush()
+    hist = client(state_dir).get_metric_history(run_id, "a")
+    assert sorted((m.step, m.value) for m in hist) == [(k, float(k)) for k in range(1, 6)]
+
+    real = tr.client.log_batch
+    entered, gate = threading.Event(), threading.Event()
+
+    def boom(*a, **k):
+        entered.set()
+        gate.wait(5)
+        raise ConnectionError("server went away")
+
+    monkeypatch.setattr(tr.client, "log_batch", boom)
+    bg.submit(tr.log_iteration, 6, {"a": 6.0})
+    bg.submit(tr.log_iteration, 7, {"a": 7.0})  # queued behind the failing call: must not run
+    assert entered.wait(5)
+    monkeypatch.setattr(tr.client, "log_batch", real)  # the store is back, yet 7 must not be logged
+    gate.set()
+    with pytest.raises(TrackingError, match="iteration 6"):
+        bg.flush()
+    with pytest.raises(TrackingError, match="iteration 6"):  # sticky: every later call says so
+        bg.submit(tr.log_iteration, 8, {"a": 8.0})
+    bg.close()
+    assert tr.logged_steps == {1, 2, 3, 4, 5}  # 7 was skipped, so nothing is logged out of order
+    tr.end()
+
+    ran = []
+    sync = BackgroundLog(enabled=False)
+    sync.submit(ran.append, 1)
+    assert ran == [1]  # disabled: runs at once, in the caller's thread
 
 
 def _free_port() -> int:
