@@ -1,7 +1,8 @@
 """Pipeline overhead: N training iterations through the Prefect flows against a plain Python loop.
 
 - ragen-flow: ``flows.train.train`` (the Prefect flow a user runs) resuming a prepared run
-  directory: per iteration the ``ragen-iteration`` subflow with its rollout / filter / learn (and, at
+  directory: per iteration the ``ragen-iteration`` subflow or parent task run (the config's
+  ``trainer.iteration_as``; ``--iteration-as`` overrides) with its rollout / filter / learn (and, at
   the last iteration, evaluate) tasks (cache keys, result persistence), the trajectories written to
   and read back from Parquet, the checkpoint (policy + critic + optimiser) written, ``metrics.json``
   and the DONE mark written, then the Echo-Trap monitor and the MLflow logging (one ``log_batch``,
