@@ -353,7 +353,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
     real_iteration_flow, real_iteration_task = ft.iteration_flow, ft.iteration_task
     real_session, real_best = ft.Session, ft._best_step
     real_configure = ft.configure_environment
-    real_iteration = real_iteration_task if cfg.trainer.iteration_as == "task" else real_iteration_flow
+    real_iteration = ft.iteration_runner(cfg)
 
     def iteration_flow(run_root: str, k: int) -> dict[str, float]:
         close_open(time.perf_counter(), plain_next=bool(k % 2))

@@ -88,6 +88,11 @@ iteration_task = task(name="ragen-iteration", task_run_name="iteration-{k}", cac
                       persist_result=False)(run_iteration)
 
 
+def iteration_runner(cfg: RagenConfig) -> Any:
+    """The iteration callable ``trainer.iteration_as`` asks for."""
+    return iteration_task if cfg.trainer.iteration_as == "task" else iteration_flow
+
+
 def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
     rows = []
     for t in read_trajectories(path)[:n]:
@@ -179,10 +184,10 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         k = last
         # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
         # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
+        iteration = iteration_runner(cfg)
         with temporary_settings(updates={"flows.heartbeat_frequency": None}):
             while k < cfg.trainer.iterations:
                 k += 1
-                iteration = iteration_task if cfg.trainer.iteration_as == "task" else iteration_flow
                 metrics = iteration(str(run.root), k)
                 signals = monitor.update(k, metrics)
                 if signals:

@@ -643,9 +643,7 @@ class BackgroundLog:
     def __init__(self, enabled: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.enabled = enabled
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-tracking") if enabled else None
-        self._pending: list[Any] = []
         self._error: BaseException | None = None
 
     def _run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -656,7 +654,6 @@ class BackgroundLog:
                 self._error = e
 
     def _raise(self) -> None:
-        self._pending = [f for f in self._pending if not f.done()]
         if self._error is not None:
             raise self._error
 
@@ -666,12 +663,12 @@ class BackgroundLog:
             fn(*args, **kwargs)
             return
         self._raise()
-        self._pending.append(self._pool.submit(self._run, fn, args, kwargs))
+        self._pool.submit(self._run, fn, args, kwargs)
 
     def flush(self) -> None:
         """Wait for every queued call; raises the first error."""
-        for f in list(self._pending):
-            f.result()
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()  # one worker, in order: all earlier calls are done
         self._raise()
 
     def close(self) -> None:
