@@ -84,6 +84,10 @@ class ModelConfig(BaseModel):
     dtype: str = "float32"
     seed: int = 0
     corpus_seeds: int = Field(default=16, ge=1, description="env seeds per tag for the tokenizer corpus")
+    cell_tokens: bool = Field(
+        default=False,
+        description="tokenizer learns no merges across grid cells, so each cell of a rendered grid is one token",
+    )
 
     @field_validator("dtype")
     @classmethod
@@ -210,15 +214,30 @@ def _tag_prefix(spec: Any, env: Any) -> str:
     return text
 
 
-def _tag_texts(tag: str, n_seeds: int, rng: random.Random) -> list[str]:
+def _cells_apart(state: str) -> str:
+    """A grid with a digit after each cell: Qwen2's pre-tokenizer then cuts every cell off alone.
+
+    BPE learns merges only inside pre-tokens, so a corpus of such grids teaches the tokenizer each
+    cell symbol (multi-byte ones such as ``√`` included) but no merge of two cells; rendered grids
+    then tokenize one cell per token, the way Qwen2 splits numbers into digits.
+    """
+    return "\n".join("0".join(line) + "0" for line in state.split("\n"))
+
+
+def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = False) -> list[str]:
     import envs
 
     env = envs.make(tag)
     spec = env.spec  # type: ignore[attr-defined]
+    grid = cell_tokens and bool(getattr(env, "grid_vocab", None))
+
+    def render(state: str) -> str:
+        return _cells_apart(state) if grid else state
+
     out: list[str] = []
     try:
         for seed in range(n_seeds):
-            state = env.reset(seed)
+            state = render(env.reset(seed))
             prefix = _tag_prefix(spec, env)
             budget = spec.max_actions_per_traj
             think = seed % 2 == 0
@@ -255,21 +274,24 @@ def _tag_texts(tag: str, n_seeds: int, rng: random.Random) -> list[str]:
                 out.append(f"Reward:\n{round(reward, 2)}\n")
                 if done:
                     break
-                text += _turn_text(t, env.render(), budget - t + 1, spec.max_tokens, think)
+                text += _turn_text(t, render(env.render()), budget - t + 1, spec.max_tokens, think)
             out.append(text)
     finally:
         env.close()
     return out
 
 
-def env_corpus(n_seeds: int = 16, tags: Iterable[str] | None = None, seed: int = 0) -> list[str]:
+def env_corpus(
+    n_seeds: int = 16, tags: Iterable[str] | None = None, seed: int = 0, cell_tokens: bool = False
+) -> list[str]:
     """Text like what the policy reads and writes, for training the tiny tokenizer.
 
     For each tag (default: the shipped catalogue's tags, so that the tokenizer does not depend on
     what else a process registered): the tag's instruction prefix, initial
     and later states rendered by the environment for seeds ``0..n_seeds-1``, the per-turn template
     text, reward lines, and ``<think>...</think><answer>...</answer>`` samples with the tag's action
-    names; plus numbers and generic ChatML framing. Tags whose environment cannot be built yet (its
+    names; plus numbers and generic ChatML framing. ``cell_tokens`` writes grid states with their
+    cells apart (:func:`_cells_apart`), so that the tokenizer merges no two cells. Tags whose environment cannot be built yet (its
     module missing or broken) raise: a silently smaller corpus would give another tokenizer.
     Deterministic for a given set of tags.
     """
@@ -278,7 +300,7 @@ def env_corpus(n_seeds: int = 16, tags: Iterable[str] | None = None, seed: int =
     rng = random.Random(seed)
     corpus: list[str] = []
     for tag in list(tags) if tags is not None else envs.catalogue_tags():
-        corpus.extend(_tag_texts(tag, n_seeds, rng))
+        corpus.extend(_tag_texts(tag, n_seeds, rng, cell_tokens))
     corpus.extend(str(i) for i in range(1000))
     corpus.extend(f"{rng.uniform(-1, 1):.2f} {rng.randint(0, 10000)}" for _ in range(200))
     corpus.extend(
@@ -333,7 +355,11 @@ def build_tiny_model(cfg: ModelConfig, tokenizer: Any):
 
 def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
     """Train a tokenizer on ``corpus`` (default :func:`env_corpus`) and build the tiny model."""
-    texts = list(corpus) if corpus is not None else env_corpus(n_seeds=cfg.corpus_seeds)
+    texts = (
+        list(corpus)
+        if corpus is not None
+        else env_corpus(n_seeds=cfg.corpus_seeds, cell_tokens=cfg.cell_tokens)
+    )
     tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
     return build_tiny_model(cfg, tokenizer), tokenizer
 

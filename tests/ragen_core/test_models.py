@@ -192,3 +192,31 @@ def test_load_errors(tmp_path, saved):
         f.unlink()
     with pytest.raises(ValueError, match="has no chat_template; set one or use a chat model"):
         load_policy(plain)
+
+
+def test_cell_tokens_give_one_token_per_grid_cell(tmp_path):
+    """With ``cell_tokens`` every rendered grid cell is its own token, also after a save/load."""
+    from transformers import AutoTokenizer
+
+    import envs
+
+    cells_apart = train_tokenizer(env_corpus(n_seeds=3, cell_tokens=True), vocab_size=1024)
+    merged = train_tokenizer(env_corpus(n_seeds=3), vocab_size=1024)
+    save_policy(build_tiny_model(ModelConfig(seed=0), cells_apart), cells_apart, tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    merges_seen = 0
+    for tag in ("SimpleSokoban", "LargerSokoban", "SokobanNewVocab", "FrozenLake"):
+        env = envs.make(tag)
+        for seed in (10_001, 10_002, 10_003):
+            grid = env.reset(seed)
+            for action in env.actions[:2]:
+                env.step(action)
+            for state in (grid, env.render()):
+                pieces = [cells_apart.decode([i]) for i in cells_apart.encode(state)]
+                assert pieces == [c for c in state], (tag, seed, pieces)
+                assert reloaded.encode(state) == cells_apart.encode(state)
+                merges_seen += len(merged.encode(state)) < len(state)
+    assert merges_seen  # without the option, the same grids merge cells (what the option is for)
+    # Words keep their merges: the option changes grids only.
+    text = "You have 3 actions left. Your available actions are:\nUp, Down, Left, Right"
+    assert len(cells_apart.encode(text)) == len(merged.encode(text))
