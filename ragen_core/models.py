@@ -12,6 +12,11 @@ left padding. Because a ``qwen2`` model directory always reloads its tokenizer a
 ``Qwen2Tokenizer`` (which rebuilds the pre-tokenizer with Qwen2's regex), any other pre-tokenizer
 would give different ids after a save/load; this one gives identical ids.
 
+``cell_tokens`` (off by default; on in the tiny grid configs) trains the tokenizer on grids written
+with their cells apart, so it learns no merge of two cells and a rendered grid reads one cell per
+token: a 2-layer policy then finds the player and the boxes by position (with merged cells, such as
+``#P`` or ``___#``, its think text named wrong coordinates and SFT plateaued far lower).
+
 ``<think> </think> <answer> </answer>`` are added as *regular* (non-special) added tokens: each is
 one token id, and they survive ``decode(..., skip_special_tokens=True)``, which is how responses
 are decoded before parsing.
