@@ -296,9 +296,9 @@ def env_corpus(
     and later states rendered by the environment for seeds ``0..n_seeds-1``, the per-turn template
     text, reward lines, and ``<think>...</think><answer>...</answer>`` samples with the tag's action
     names; plus numbers and generic ChatML framing. ``cell_tokens`` writes grid states with their
-    cells apart (:func:`_cells_apart`), so that the tokenizer merges no two cells. Tags whose environment cannot be built yet (its
-    module missing or broken) raise: a silently smaller corpus would give another tokenizer.
-    Deterministic for a given set of tags.
+    cells apart (:func:`_cells_apart`), so that the tokenizer merges no two cells. Tags whose
+    environment cannot be built yet (its module missing or broken) raise: a silently smaller corpus
+    would give another tokenizer. Deterministic for a given set of tags.
     """
     import envs
 
