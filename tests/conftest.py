@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import ragen_core  # noqa: F401  # before torch: pins MKL's reproducible mode
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
