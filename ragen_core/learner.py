@@ -113,7 +113,12 @@ class AlgorithmConfig(BaseModel):
     high_level_gamma: float = Field(
         default=0.95, ge=0.0, le=1.0, description="discount across turns for bi-level GAE"
     )
-    norm_adv_by_std: bool = Field(default=True, description="GRPO: divide by the group std (+1e-6)")
+    norm_adv_by_std: bool = Field(
+        default=True,
+        description="GRPO: divide by the group std (+1e-6). With shaped rewards (Sokoban's -0.1 per step) this "
+        "scales the small differences inside all-fail groups up to full-size advantages (measured: the policy "
+        "learns to act less); false is Dr. GRPO's unscaled advantage",
+    )
     whiten_advantages: bool = Field(
         default=True, description="gae / bi-level gae: whiten advantages over the batch's trained tokens"
     )
