@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core import CPU_NUMERICS_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 MATMUL = "import torch; a = torch.ones(64, 64); a @ a"
 
 
 def mkl_verbose(code: str, **env: str) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in ("MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
+    clean = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS_ENV}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**clean, "MKL_VERBOSE": "1", **env})
     assert out.returncode == 0, out.stderr[-2000:]
