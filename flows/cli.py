@@ -259,25 +259,38 @@ def _print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
 
 @app.command()
 def train(
-    config: Annotated[Path | None, typer.Argument(help="Run config (YAML).")] = Path("configs/bandit-tiny.yaml"),
+    config: Annotated[Path | None, typer.Argument(
+        help="Run config (YAML); default configs/bandit-tiny.yaml. With --resume: only to check it is the run's own.",
+    )] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override KEY=VALUE (repeatable).")] = None,
-    resume: Annotated[str | None, typer.Option(help="Run id (or run directory) to continue.")] = None,
+    resume: Annotated[str | None, typer.Option(
+        help="Run id (or run directory) to continue; --set trainer.iterations=N extends it.",
+    )] = None,
     backend: Annotated[str | None, typer.Option(help="ray (actors) or local (one process).")] = None,
-    name: Annotated[str | None, typer.Option(help="Name prefix of the new run.")] = None,
+    name: Annotated[str | None, typer.Option(help="Name of the new run (letters, digits, -_.).")] = None,
 ) -> None:
     """Train a policy with StarPO (warm start, then iterations); --resume continues a killed run."""
     import time
 
     _prepare()
     from ragen_core.config import ConfigError, load_config
+    from ragen_core.pipeline import PreflightError, RunNameError, find_run, preflight, run_name
+    from ragen_core.resume import ResumeError, resume_config
+    from ragen_core.run_lock import RunLock, RunLockedError
 
-    if resume is None:
-        from ragen_core.pipeline import PreflightError, preflight
-
-        try:  # fail on config errors before Prefect, Ray or a model starts
-            preflight(load_config(config, set_ or []))
-        except (ConfigError, PreflightError) as exc:
-            fail(str(exc))
+    try:  # fail on input errors before Prefect, Ray or a model starts
+        if resume is None:
+            cfg = load_config(config or DEFAULT_CONFIG, set_ or [])
+            preflight(cfg)
+            run_name(cfg, name, config or DEFAULT_CONFIG)
+        else:
+            if name is not None:
+                fail("--name names a new run; a resumed run keeps its name (drop --name)")
+            run = find_run(resume)
+            RunLock(run.root).acquire().release()  # in use by another process: say so now
+            resume_config(run.root, run.config(), run.last_complete(), config, set_ or [])
+    except (ConfigError, PreflightError, RunNameError, ResumeError, RunLockedError, FileNotFoundError) as exc:
+        fail(str(exc))
     from flows.train import TrainRequest
     from flows.train import train as train_flow
 
@@ -296,6 +309,10 @@ def train(
         _print_metrics("validation success", rows)
     console().print(f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
                     f"{result['last_iteration']} iterations in {wall:.0f} s")
+
+
+#: The config ``ragen train`` trains when none is given (the README's main job).
+DEFAULT_CONFIG = Path("configs/bandit-tiny.yaml")
 
 
 @app.command()
