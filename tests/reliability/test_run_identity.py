@@ -34,6 +34,12 @@ def test_same_config_twice_trains_two_runs(tmp_path: Path) -> None:
     for run in runs:
         assert all((run / f"iter_{k:04d}" / "DONE").exists() for k in (1, 2, 3))
         assert mlflow_steps(tmp_path, run) == [0, 1, 2, 3]
+    # Defect 6: Prefect's stored results were cloudpickle files, and a crafted one ran code on resume.
+    # Stage tasks now store none, and what flows store is JSON.
+    results = [p for p in (tmp_path / "prefect" / "results").rglob("*") if p.is_file()]
+    assert results  # the train flows' results
+    for p in results:
+        json.loads(p.read_bytes())
 
 
 def test_truncated_pending_rollouts_are_played_again_on_resume(tmp_path: Path) -> None:
