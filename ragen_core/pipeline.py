@@ -531,7 +531,9 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
     if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):
-        raise ValueError(f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+        raise ValueError(f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
+                         if k == 0 else
+                         f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
     out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The run's own backend by default: Ray actors run torch with their CPU count as thread count,
