@@ -229,7 +229,8 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         elif not loc:  # a cross-field check: its message names the keys
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
-            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})"[:400])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {err.get('input')!r})"[:400])
     return ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines))
 
 
