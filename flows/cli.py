@@ -3,7 +3,10 @@
 Every command imports what it needs inside its function, so ``ragen --help`` stays fast and one
 command's heavy dependencies (torch, prefect, mlflow, ray) never slow down another. To add a
 command, define a function decorated with ``@app.command()`` in the "commands" section below and
-keep its imports local; shared helpers (console, error exit) are at the top.
+keep its imports local; shared helpers (console, error exit) are at the top. Errors need no
+handling in a command: :class:`RagenGroup` runs every command and prints a user error (see
+``ragen_core.errors``) as its one-line message, anything else as one ``internal error`` line;
+``ragen --debug`` (or ``RAGEN_DEBUG=1``) shows the traceback instead.
 
 Commands: ``train``, ``evaluate``, ``rerun``, ``sweep run|report|plan``, ``show`` (read a trajectory
 file), ``demo`` (oracle play through the agent protocol), ``ui`` (MLflow UI and Prefect server on
