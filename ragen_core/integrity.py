@@ -19,15 +19,15 @@ import hashlib
 import os
 from pathlib import Path
 
+from ragen_core.errors import RagenError
+
 SUMS_NAME = "SHA256SUMS"
 _CHUNK = 4 * 2**20
 _MEMO: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
-class CorruptFileError(ValueError):
+class CorruptFileError(RagenError, ValueError):
     """A stored file is missing or does not match the digest recorded when it was written."""
-
-    user_error = True
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:

@@ -34,6 +34,7 @@ import torch
 from ragen_core import stage_record
 from ragen_core.algorithms import group_std_stats, select_groups
 from ragen_core.config import RagenConfig, config_hash, dump_config, load_config
+from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
@@ -231,10 +232,8 @@ def _index_path() -> Path:
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
-class RunNameError(ValueError):
+class RunNameError(RagenError, ValueError):
     """A run name that is not one safe folder name."""
-
-    user_error = True
 
 
 def check_run_name(name: str, source: str = "--name") -> str:
@@ -576,7 +575,9 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
     if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):
-        raise ValueError(f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+        raise ValueError(f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
+                         if k == 0 else
+                         f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
     out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The run's own backend by default: Ray actors run torch with their CPU count as thread count,

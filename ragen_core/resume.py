@@ -19,15 +19,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ragen_core.config import RagenConfig, flatten, load_config
+from ragen_core.errors import RagenError
 
 #: Keys a resume may change (exact keys, or prefixes ending in a dot).
 RESUMABLE = ("trainer.iterations", "trainer.eval_every", "trainer.backend", "trainer.iteration_as", "tracking.")
 
 
-class ResumeError(ValueError):
+class ResumeError(RagenError, ValueError):
     """A resume asked to change what the run's stored iterations depend on."""
-
-    user_error = True
 
 
 def _allowed(key: str) -> bool:

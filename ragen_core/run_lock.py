@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ragen_core.errors import RagenError
 
-class RunLockedError(RuntimeError):
+
+class RunLockedError(RagenError, RuntimeError):
     """Another live process is training this run."""
-
-    user_error = True
 
 
 #: Names of the temporary files and folders the project's atomic writers use (``tmp-PID`` suffixes,
