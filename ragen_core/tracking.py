@@ -38,11 +38,16 @@ iterations: ``log_iteration`` skips the steps that are already there. Mid-run HT
 MLflow's own settings (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
 ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``), which ride out a short server restart.
 
+A fresh SQLite store is created under an exclusive ``flock`` on ``<db>.lock``: MLflow builds the
+schema without one, and two runs starting at once in a new state folder would race (``table ...
+already exists``).
+
 Log from one process per run (SQLite locks under concurrent writers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -55,7 +60,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -193,6 +198,28 @@ def _probe_http(uri: str, timeout_s: float) -> None:
     raise TrackingError(f"MLflow tracking server {uri} unreachable ({why}); {fix}")
 
 
+@contextlib.contextmanager
+def store_lock(db: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<db>.lock`` (beside the SQLite file), across processes.
+
+    MLflow's SQLite tracking store creates and migrates its schema on first use without any lock,
+    so two processes opening a fresh store at once both run the migrations and one fails (``table
+    ... already exists``, ``duplicate column name``). The lock file is never deleted: removing it
+    while another process waits on it would let a third one lock a new file."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock (MLflow's own behaviour)
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def _ema(values: list[float], weight: float = 0.6) -> list[float]:
     out: list[float] = []
     acc: float | None = None
@@ -324,14 +351,15 @@ class Tracker:
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
             _probe_http(self.tracking_uri, cfg.connect_timeout_s)
-        elif scheme == "sqlite":
-            db = self.tracking_uri[len("sqlite:///") :]
-            if db and db != ":memory:":
-                Path(db).parent.mkdir(parents=True, exist_ok=True)
+        db = self.tracking_uri[len("sqlite:///") :] if scheme == "sqlite" else ""
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
 
-        self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+        if db and db != ":memory:":
+            with store_lock(Path(db)):  # MlflowClient creates and migrates the schema here
+                self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+        else:
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
     # ------------------------------------------------------------------ run lifecycle
     def __enter__(self) -> Tracker:
