@@ -229,3 +229,6 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
             drop_session(run)
             session.close()
         tracker.end(status)
+        offline = tracker.offline_message(info["run_id"], run.root)  # MLflow went away mid-run: say what to do
+        if offline:
+            log.warning(offline)
