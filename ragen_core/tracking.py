@@ -127,8 +127,9 @@ class TrackingConfig(BaseModel):
     )
     background: bool = Field(
         default=True,
-        description="log each iteration from a background thread while the next one trains (in order; an "
-        "error stops the run at the next iteration, and everything is flushed before the run ends)",
+        description="log each iteration from a background thread while the next one trains (in order, flushed "
+        "before the run ends; a failing store takes the tracker offline and training goes on, any other "
+        "error stops the run at the next iteration)",
     )
 
 

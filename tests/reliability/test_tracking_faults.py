@@ -170,7 +170,11 @@ def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Serv
     assert before == sorted(set(before)) and len(before) < iterations + 1, before  # some steps missing
     assert c.get_run(mlflow_id).info.status == "RUNNING"
 
+    t1 = time.monotonic()
     resumed = ragen(["train", "--resume", run.name], state, timeout=300, extra_env=env)
+    print(f"run {done - t0:.1f} s (kill -> exit {done - killed['at']:.1f} s), resume {time.monotonic() - t1:.1f} s; "
+          f"steps in MLflow before the resume: {before}")
+    print(next(line for line in log.splitlines() if "unreachable since" in line and "--resume" in line))
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-4000:]
     assert "unreachable since" not in log
