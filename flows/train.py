@@ -263,3 +263,6 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
             drop_session(run)
             session.close()
         tracker.end(status)
+        offline = tracker.offline_message(info["run_id"], run.root)  # MLflow went away mid-run: say what to do
+        if offline:
+            log.warning(offline)
