@@ -1,0 +1,38 @@
+"""Nothing of the default setup listens beyond loopback (the README promises 127.0.0.1)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.reliability import procs
+
+
+def test_default_setup_listens_on_loopback_only(tmp_path: Path) -> None:
+    """``ragen train`` of bandit-tiny (tiny sizes) with trainer.backend=ray, its ephemeral Prefect
+    server and the local SQLite MLflow store: every TCP listener and bound UDP socket of its process
+    tree, sampled while it runs, is on 127.0.0.1 / ::1. Before the fix Ray's GCS, raylet, workers and
+    agents listened on 0.0.0.0 / :: and the runtime-env agent on the machine's address."""
+    marker = procs.new_marker()
+    proc, out, err = procs.launch(procs.tiny_train_args(tmp_path, "trainer.backend=ray"), tmp_path, marker)
+    seen: dict[tuple[str, str, int], procs.Listener] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            for listener in procs.listeners(procs.tree(marker)):
+                seen.setdefault((listener.proto, listener.address, listener.port), listener)
+            time.sleep(0.5)
+        assert proc.wait(timeout=5) == 0, out.read_text()[-2000:] + err.read_text()[-3000:]
+    finally:
+        proc.kill()
+        procs.kill_tree(marker)
+    print("\n".join(sorted(str(x) for x in seen.values())))
+    # the sampling saw the servers in question, so the check below is about them
+    assert any("gcs_server" in x.cmdline for x in seen.values()), seen
+    assert any("raylet" in x.cmdline for x in seen.values()), seen
+    assert any("uvicorn" in x.cmdline for x in seen.values()), seen  # Prefect's ephemeral server
+    outside = [str(x) for x in seen.values() if not x.loopback]
+    assert not outside, "listening beyond loopback:\n" + "\n".join(outside)
+    # Ray's token auth is on, with the token in the state folder (not in ~/.ray)
+    token = tmp_path / "ray" / "auth_token"
+    assert token.is_file() and token.stat().st_mode & 0o077 == 0
