@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
+import pytest
+
+from tests.flows.test_train import ragen
 from tests.reliability import procs
 
 
@@ -36,3 +40,22 @@ def test_default_setup_listens_on_loopback_only(tmp_path: Path) -> None:
     # Ray's token auth is on, with the token in the state folder (not in ~/.ray)
     token = tmp_path / "ray" / "auth_token"
     assert token.is_file() and token.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("taken", ["mlflow", "prefect"])
+def test_ui_refuses_a_port_in_use(taken: str, tmp_path: Path) -> None:
+    """Before the fix `ragen ui` printed its URLs, MLflow died with "address in use" and the command
+    kept running, its MLflow URL showing whatever held the port."""
+    ports = {"mlflow": procs.free_port(), "prefect": procs.free_port()}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports[taken]))
+        holder.listen()
+        t0 = time.monotonic()
+        out = ragen(["ui", "--mlflow-port", str(ports["mlflow"]), "--prefect-port", str(ports["prefect"])], tmp_path,
+                    timeout=120)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert time.monotonic() - t0 < 60  # no server was started and waited for
+    error = " ".join(out.stderr.split())
+    assert f"port {ports[taken]} on 127.0.0.1 is already in use" in error, error
+    assert f"--{taken}-port" in error, error
+    assert "http://" not in out.stdout  # no URL printed
