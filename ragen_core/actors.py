@@ -180,23 +180,31 @@ class LearnerWorker:
 
     # -- set-up, called by LearnerGroup in this order
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it (called on rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        """This node's address and a port on it where rank 0's TCP store will listen (called on rank 0).
+
+        The socket is bound here, to the node's address only, and handed to the store: torch's
+        TCPStore would otherwise listen on every interface (and a port merely found free could be
+        taken before the store binds it).
+        """
         try:
             host = ray.util.get_node_ip_address()
         except Exception:  # not inside Ray
             host = "127.0.0.1"
-        return host, port
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        self._store_socket = socket.socket(family, socket.SOCK_STREAM)
+        self._store_socket.bind((host, 0))
+        self._store_socket.listen(128)
+        return host, self._store_socket.getsockname()[1]
 
     def init_process_group(self, host: str, port: int, backend: str, timeout_s: float = 300.0) -> None:
-        if host in ("127.0.0.1", "localhost"):
+        if ipaddress.ip_address(host).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        listen = getattr(self, "_store_socket", None) if self.rank == 0 else None
+        store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=timeout,
+                              master_listen_fd=listen.fileno() if listen is not None else None)
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
 
     def build(self) -> int:
         """Build the model and the learner (after the process group: rank 0's weights are broadcast)."""
@@ -231,6 +239,9 @@ class LearnerWorker:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if getattr(self, "_store_socket", None) is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
 
 #: The Ray actor class; resources are set per instance with ``.options`` (see ``LearnerGroup``).

@@ -59,3 +59,34 @@ def test_ui_refuses_a_port_in_use(taken: str, tmp_path: Path) -> None:
     assert f"port {ports[taken]} on 127.0.0.1 is already in use" in error, error
     assert f"--{taken}-port" in error, error
     assert "http://" not in out.stdout  # no URL printed
+
+
+def test_data_parallel_rendezvous_listens_on_loopback(tmp_path: Path) -> None:
+    """trainer.learners=2: rank 0's torch TCPStore listened on every interface (:::port) before the
+    store got a socket bound to the node's address."""
+    import os
+
+    import ray
+
+    from ragen_core.actors import LearnerGroup, init_ray
+    from tests.ragen_core.test_learner import make_cfg, tiny_policy
+
+    if ray.is_initialized():
+        ray.shutdown()
+    marker = procs.new_marker()
+    os.environ.update(marker)  # inherited by the Ray processes started below
+    try:
+        tiny_policy(seed=1).save_pretrained(tmp_path / "policy")
+        init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
+        with LearnerGroup(make_cfg(), str(tmp_path / "policy"), world_size=2) as group:
+            assert group.num_params > 0
+            learners = {pid: cmd for pid, cmd in procs.tree(marker).items() if "LearnerWorker" in cmd}
+            listening = procs.listeners(learners)
+    finally:
+        ray.shutdown()
+        del os.environ[procs.MARKER]
+        procs.kill_tree(marker)
+    print("\n".join(map(str, listening)))
+    assert len(learners) == 2 and listening
+    outside = [str(x) for x in listening if not x.loopback]
+    assert not outside, "listening beyond loopback:\n" + "\n".join(outside)
