@@ -626,8 +626,12 @@ def doctor() -> None:
         from ragen_core.actors import init_ray
 
         resources = init_ray()
+        import os
+
+        where = os.environ.get("RAY_ADDRESS") or f"local, on {ray.util.get_node_ip_address()}"
         out.print(f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
-                  f"({time.perf_counter() - t0:.1f} s to start)")
+                  f"({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
+                  f"{time.perf_counter() - t0:.1f} s to start)")
         ray.shutdown()
     except Exception as exc:
         ok = False
