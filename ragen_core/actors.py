@@ -251,6 +251,8 @@ LearnerActor = ray.remote(LearnerWorker)
 class LearnerPlacementError(RuntimeError):
     """The Ray cluster cannot hold the learner group (message: the keys to change and what it has)."""
 
+    user_error = True  # ragen_core.errors: the CLI prints the message as one line, no traceback
+
 
 def _cluster_summary() -> tuple[float, float, float, int, float]:
     """(total CPUs, free CPUs, total GPUs, alive nodes, CPUs of the biggest node)."""
