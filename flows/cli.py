@@ -3,7 +3,10 @@
 Every command imports what it needs inside its function, so ``ragen --help`` stays fast and one
 command's heavy dependencies (torch, prefect, mlflow, ray) never slow down another. To add a
 command, define a function decorated with ``@app.command()`` in the "commands" section below and
-keep its imports local; shared helpers (console, error exit) are at the top.
+keep its imports local; shared helpers (console, error exit) are at the top. Errors need no
+handling in a command: :class:`RagenGroup` runs every command and prints a user error (see
+``ragen_core.errors``) as its one-line message, anything else as one ``internal error`` line;
+``ragen --debug`` (or ``RAGEN_DEBUG=1``) shows the traceback instead.
 
 Commands: ``train``, ``evaluate``, ``rerun``, ``sweep run|report|plan``, ``show`` (read a trajectory
 file), ``demo`` (oracle play through the agent protocol), ``ui`` (MLflow UI and Prefect server on
@@ -13,19 +16,44 @@ loopback), ``doctor``.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ragen_core.trajectory import Trajectory
 
+class RagenGroup(TyperGroup):
+    """Runs every command (sub-commands of ``sweep`` too) and turns its exceptions into one line.
+
+    A user error (``ragen_core.errors.is_user_error``: a ``RagenError``, a config or preflight
+    error, a missing run or file, an unwritable folder, ...) prints its own message, which names the
+    cause, the file or key, and the fix; anything else prints ``internal error: <type>: <message>``.
+    ``--debug`` (or ``RAGEN_DEBUG=1``) lets the exception through with its traceback instead.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # exits, Ctrl-C and usage errors (bad option values) are typer's to print
+        except Exception as exc:
+            from ragen_core.errors import describe, is_debug
+
+            if is_debug():
+                raise
+            fail(describe(exc))
+
+
 app = typer.Typer(
     name="ragen",
+    cls=RagenGroup,
     help="ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline.",
     no_args_is_help=True,
     add_completion=False,
@@ -50,6 +78,18 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="bold red"))
     raise typer.Exit(code)
+
+
+@app.callback()
+def main(
+    debug: Annotated[bool, typer.Option("--debug", envvar="RAGEN_DEBUG",
+                                        help="Show tracebacks (also RAGEN_DEBUG=1).")] = False,
+) -> None:
+    """ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline."""
+    import os
+
+    if debug:  # the environment carries it to the error wrapper and to Prefect's log filter
+        os.environ["RAGEN_DEBUG"] = "1"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,10 +278,50 @@ def demo(
 # ------------------------------------------------------------------------------------------------
 # train / evaluate / rerun
 # ------------------------------------------------------------------------------------------------
-def _prepare() -> Path:
-    from flows.settings import configure_environment
+class _QuietFailedRuns(logging.Filter):
+    """Prefect reports a failed flow or task run as an ERROR with the whole traceback (~80 lines).
 
-    return configure_environment()
+    Sits on the ``prefect.flow_runs`` / ``prefect.task_runs`` loggers (a logger filter survives the
+    logging config Prefect applies when imported, so Prefect need not be imported to install it):
+    such a record still goes to those loggers' own handlers (Prefect's API: the UI keeps the
+    traceback) but not on to the console, where the CLI prints the error as one line. Everything
+    else (WARNING lines, errors without a traceback) passes; ``--debug`` lets everything through.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ragen_core.errors import is_debug
+
+        if record.levelno < logging.ERROR or not record.exc_info or is_debug():
+            return True
+        for handler in logging.getLogger(record.name).handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+        return False
+
+
+def _quiet_failed_runs() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _QuietFailedRuns) for f in log.filters):
+            log.addFilter(_QuietFailedRuns())
+
+
+def _prepare() -> Path:
+    """The process environment of the services (before Prefect, MLflow or Ray load) and a state
+    folder that is known to be writable: otherwise every command fails later, deep in a library."""
+    import tempfile
+
+    from flows.settings import STATE_DIR, configure_environment
+
+    try:
+        state = configure_environment()
+        with tempfile.TemporaryFile(dir=state):
+            pass
+    except OSError as exc:
+        fail(f"state folder {STATE_DIR.resolve()} (RAGEN_STATE_DIR) is not writable: {exc.strerror or exc}; "
+             "set RAGEN_STATE_DIR to a writable folder")
+    _quiet_failed_runs()
+    return state
 
 
 def _print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
@@ -259,25 +339,37 @@ def _print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
 
 @app.command()
 def train(
-    config: Annotated[Path | None, typer.Argument(help="Run config (YAML).")] = Path("configs/bandit-tiny.yaml"),
+    config: Annotated[Path | None, typer.Argument(
+        help="Run config (YAML); default configs/bandit-tiny.yaml. With --resume: only to check it is the run's own.",
+    )] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override KEY=VALUE (repeatable).")] = None,
-    resume: Annotated[str | None, typer.Option(help="Run id (or run directory) to continue.")] = None,
-    backend: Annotated[str | None, typer.Option(help="ray (actors) or local (one process).")] = None,
-    name: Annotated[str | None, typer.Option(help="Name prefix of the new run.")] = None,
+    resume: Annotated[str | None, typer.Option(
+        help="Run id (or run directory) to continue; --set trainer.iterations=N extends it.",
+    )] = None,
+    backend: Annotated[Literal["ray", "local"] | None,
+                       typer.Option(help="ray (actors) or local (one process).")] = None,
+    name: Annotated[str | None, typer.Option(help="Name of the new run (letters, digits, -_.).")] = None,
 ) -> None:
     """Train a policy with StarPO (warm start, then iterations); --resume continues a killed run."""
     import time
 
     _prepare()
-    from ragen_core.config import ConfigError, load_config
+    from ragen_core.config import load_config
+    from ragen_core.pipeline import find_run, preflight, run_name
+    from ragen_core.resume import resume_config
+    from ragen_core.run_lock import RunLock
 
+    # Input errors fail here, before Prefect, Ray or a model starts (the command wrapper prints them).
     if resume is None:
-        from ragen_core.pipeline import PreflightError, preflight
-
-        try:  # fail on config errors before Prefect, Ray or a model starts
-            preflight(load_config(config, set_ or []))
-        except (ConfigError, PreflightError) as exc:
-            fail(str(exc))
+        cfg = load_config(config or DEFAULT_CONFIG, set_ or [])
+        preflight(cfg)
+        run_name(cfg, name, config or DEFAULT_CONFIG)
+    else:
+        if name is not None:
+            fail("--name names a new run; a resumed run keeps its name (drop --name)")
+        run = find_run(resume)
+        RunLock(run.root).acquire().release()  # in use by another process: say so now
+        resume_config(run.root, run.config(), run.last_complete(), config, set_ or [])
     from flows.train import TrainRequest
     from flows.train import train as train_flow
 
@@ -298,6 +390,10 @@ def train(
                     f"{result['last_iteration']} iterations in {wall:.0f} s")
 
 
+#: The config ``ragen train`` trains when none is given (the README's main job).
+DEFAULT_CONFIG = Path("configs/bandit-tiny.yaml")
+
+
 @app.command()
 def evaluate(
     policy: Annotated[str, typer.Argument(help="RUN_ID[@STEP], a model folder, or a cached HF model name.")],
@@ -305,18 +401,19 @@ def evaluate(
     n: Annotated[int, typer.Option(min=1, help="Validation seeds per tag.")] = 64,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
-    engine: Annotated[str, typer.Option(help="Rollout backend: hf or vllm.")] = "hf",
+    engine: Annotated[Literal["hf", "vllm"], typer.Option(help="Rollout backend.")] = "hf",
 ) -> None:
     """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
-    if engine not in ("hf", "vllm"):
-        fail(f"--engine {engine!r}: use hf or vllm")
     _prepare()
-    from flows.evaluate import EvaluateRequest
+    from flows.evaluate import EvaluateRequest, check_tags, resolve_policy
     from flows.evaluate import evaluate as evaluate_flow
 
-    result = evaluate_flow(EvaluateRequest(policy=policy, tags=tags.split(","), n_per_tag=n,
+    tag_list = [t.strip() for t in tags.split(",") if t.strip()]
+    check_tags(tag_list)  # a bad tag or step fails here, before Prefect starts
+    resolve_policy(policy)
+    result = evaluate_flow(EvaluateRequest(policy=policy, tags=tag_list, n_per_tag=n,
                                            temperature=temperature, max_new_tokens=max_new_tokens,
-                                           engine=engine))  # type: ignore[arg-type]
+                                           engine=engine))
     metrics = result["metrics"]
     _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
     console().print(f"trajectories: {result['out_dir']}/eval.parquet")
@@ -326,16 +423,16 @@ def evaluate(
 def rerun(
     run: Annotated[str, typer.Argument(help="Run id or run directory.")],
     iteration: Annotated[int, typer.Option(min=0, help="Iteration (evaluate: the step).")],
-    stage: Annotated[str, typer.Option(help="rollout, learn or evaluate.")] = "learn",
+    stage: Annotated[Literal["rollout", "learn", "evaluate"], typer.Option(help="The stage to recompute.")] = "learn",
 ) -> None:
     """Recompute one stage of one iteration from what is stored and compare with the stored result."""
-    if stage not in ("rollout", "learn", "evaluate"):
-        fail(f"--stage {stage!r}: use rollout, learn or evaluate")
     _prepare()
-    from flows.rerun import RerunRequest
+    from flows.rerun import RerunRequest, check_rerun
     from flows.rerun import rerun as rerun_flow
+    from ragen_core.pipeline import find_run
 
-    result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))  # type: ignore[arg-type]
+    check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
+    result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
     verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
     console().print(f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
                     f"  rerun:  {result['output']}\n  stored: {result['stored']}")

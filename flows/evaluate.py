@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
 from ragen_core.env_groups import EnvGroupsConfig
+from ragen_core.errors import RagenError
 from ragen_core.pipeline import RunDir, atomic_write_text, find_run
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.trajectory import write_table
@@ -30,16 +31,64 @@ class EvaluateRequest(BaseModel):
     engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
 
 
-def _resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig, int | None, str]:
-    """(policy path or name, protocol, max_new_tokens, label) for a run reference or a model."""
-    name, _, step = spec.partition("@")
+class EvaluateError(RagenError):
+    """A policy or tags that cannot be evaluated; the message says what exists instead."""
+
+
+def _spans(steps: list[int]) -> str:
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``."""
+    out: list[str] = []
+    for i, k in enumerate(steps):
+        if i and k == steps[i - 1] + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)
+
+
+def checkpoint_steps(run: RunDir) -> list[int]:
+    """The steps of ``run`` with a saved policy (0: the starting policy, k: after iteration k)."""
+    steps = [0] if run.policy_after(0).is_dir() else []
+    for d in sorted(run.root.glob("iter_*")):
+        k = d.name.removeprefix("iter_")
+        if k.isdigit() and int(k) > 0 and run.policy_after(int(k)).is_dir():
+            steps.append(int(k))
+    return steps
+
+
+def check_tags(tags: list[str]) -> None:
+    from ragen_core.config import tag_problems
+
+    if not tags:
+        raise EvaluateError("--tags is empty; name at least one validation tag, e.g. --tags Bandit")
+    problems = tag_problems(tags, "--tags")
+    if problems:
+        raise EvaluateError("\n".join(problems))
+
+
+def resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig, int | None, str]:
+    """(policy path or name, protocol, max_new_tokens, label) for a run reference or a model.
+
+    ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them); anything
+    else that is not a run is a model folder or a cached Hugging Face name.
+    """
+    name, at, step = spec.partition("@")
     try:
         run = find_run(name)
     except FileNotFoundError:
+        if at and not Path(spec).exists():  # RUN@STEP: a run was meant; say why it was not found
+            raise
         return spec, ProtocolConfig(), None, Path(spec).name or spec
     cfg = run.config()
-    k = int(step) if step else run.last_complete()
-    return RunDir(run.root).policy_after(k), cfg.agent, cfg.rollout.max_new_tokens, f"{run.root.name}@{k}"
+    steps = checkpoint_steps(run)
+    have = f"it has steps {_spans(steps)}" if steps else "it has no checkpoint yet"
+    if at and not step.strip().isdigit():
+        raise EvaluateError(f"{spec}: the step {step!r} is not a number; write {name}@STEP ({have})")
+    k = int(step) if at else run.last_complete()
+    if k not in steps:
+        fix = f"; evaluate one of them, e.g. {name}@{steps[-1]}" if steps else ""
+        raise EvaluateError(f"run {run.root.name} has no checkpoint at step {k}; {have}{fix}")
+    return run.policy_after(k), cfg.agent, cfg.rollout.max_new_tokens, f"{run.root.name}@{k}"
 
 
 @flow(name="ragen-evaluate", flow_run_name="evaluate")
@@ -47,7 +96,8 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
     state = configure_environment()
     from ragen_core.rollout.worker import RolloutWorker
 
-    policy, protocol, max_new, label = _resolve_policy(request.policy)
+    check_tags(request.tags)
+    policy, protocol, max_new, label = resolve_policy(request.policy)
     val = EnvGroupsConfig(tags=request.tags, n_groups=[request.n_per_tag] * len(request.tags), group_size=1)
     worker = RolloutWorker(str(policy), protocol.model_dump(), val.model_dump(), val.model_dump(),
                            engine=request.engine)

@@ -104,6 +104,8 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
+        # Stored results are read back on a cache hit; pickles would run whatever a crafted file holds.
+        "PREFECT_RESULTS_DEFAULT_SERIALIZER": "json",
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "RAY_USAGE_STATS_ENABLED": "0",

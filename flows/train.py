@@ -13,7 +13,9 @@ duplicated or double-logged.
 
 from __future__ import annotations
 
+import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,9 +27,11 @@ from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
 from ragen_core import pipeline
-from ragen_core.config import RagenConfig, config_hash, flatten, load_config
+from ragen_core.config import RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.monitor import EchoTrapMonitor
 from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
+from ragen_core.resume import resume_config
+from ragen_core.run_lock import RunLock
 from ragen_core.tracking import BackgroundLog, Tracker
 from ragen_core.trajectory import read_trajectories
 from tasks.stages import (
@@ -44,7 +48,8 @@ from tasks.stages import (
 class TrainRequest(BaseModel):
     """What to train (the Prefect UI shows this as a form)."""
 
-    config: str | None = Field(default="configs/bandit-tiny.yaml", description="YAML config file")
+    config: str | None = Field(default=None, description="YAML config file (a new run: default configs/bandit-tiny.yaml; "
+                               "with resume: only to check it is the run's own)")
     overrides: list[str] = Field(default_factory=list, description="KEY=VALUE, e.g. trainer.iterations=3")
     resume: str | None = Field(default=None, description="run id (or run directory) to continue")
     run_name: str | None = Field(default=None, description="name prefix of a new run")
@@ -60,7 +65,7 @@ def _git_commit() -> str:
         return "unknown"
 
 
-@task(name="warm-start")
+@task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)  # idempotent: it checks the folder
 def warm_start_task(run_root: str) -> str:
     run = RunDir(run_root)
     return str(pipeline.init_policy_stage(run.config(), run))
@@ -118,8 +123,6 @@ def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: 
 
 
 def _best_step(run: RunDir, last: int) -> int | None:
-    import json
-
     best, best_value = None, -1.0
     for step in range(0, last + 1):
         f = run.eval_metrics_file(step)
@@ -130,25 +133,58 @@ def _best_step(run: RunDir, last: int) -> int | None:
     return best
 
 
-@flow(name="ragen-train", flow_run_name="train")
+#: The config a new run trains when none is given (the README's main job).
+DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
+
+
+@flow(name="ragen-train", flow_run_name="train", result_serializer="json")
 def train(request: TrainRequest | None = None) -> dict[str, Any]:
-    """Train (or resume) a run; returns its run id, MLflow run id and final metrics."""
+    """Train (or resume) a run; returns its run id, MLflow run id and final metrics.
+
+    Everything that can be checked (config, overrides, run name, machine, tracking server, the run
+    lock) is checked before anything is written; a resume accepts only what ``ragen_core.resume``
+    allows. The run stays locked (``ragen_core.run_lock``) until the flow returns.
+    """
     request = request or TrainRequest()
     state = configure_environment()
     log = get_run_logger()
+    lock = None
     if request.resume:
         run = find_run(request.resume)
-        cfg = run.config()
+        lock = RunLock(run.root).acquire()
+        try:
+            cfg, changes = resume_config(run.root, run.config(), run.last_complete(), request.config,
+                                         request.overrides)
+        except BaseException:
+            lock.release()
+            raise
     else:
-        cfg = load_config(request.config, request.overrides)
+        config = request.config or DEFAULT_CONFIG
+        cfg = load_config(config, request.overrides)
         pipeline.preflight(cfg)
-        run = create_run(cfg, request.run_name or (Path(request.config).stem if request.config else None))
+        name, changes = pipeline.run_name(cfg, request.run_name, config), {}
+    try:
+        tracker = Tracker(cfg.tracking, state)  # an unreachable server fails here, before a run folder exists
+        if lock is None:
+            run = create_run(cfg, name)
+            lock = RunLock(run.root).acquire()
+        elif changes:
+            dump_config(cfg, run.config_path)
+            run.update_info(resumes=[*run.info().get("resumes", []),
+                                     {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}}])
+            log.info("resumed with %s", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items()))
+        return _train(request, state, run, cfg, tracker, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tracker: Tracker,
+           log: Any) -> dict[str, Any]:
     if request.backend:
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": request.backend})})
     info = run.info()
     log.info("run %s in %s", info["run_id"], run.root)
-
-    tracker = Tracker(cfg.tracking, state)
     mlflow_run = tracker.start(
         info["run_id"], flatten(cfg),
         tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),
@@ -171,8 +207,6 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         monitor = EchoTrapMonitor(cfg.monitor)
         last = run.last_complete()
         # Re-log what a killed run finished but did not log (log_iteration skips logged steps).
-        import json
-
         if run.eval_metrics_file(0).exists():
             _log_step(tracker, run, cfg, 0, json.loads(run.eval_metrics_file(0).read_text()))
         for k in range(1, last + 1):

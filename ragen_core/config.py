@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ragen_core.env_groups import EnvGroupsConfig
+from ragen_core.errors import RagenError
 from ragen_core.learner import LearnerConfig
 from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
@@ -27,8 +28,45 @@ from ragen_core.sft import SFTConfig
 from ragen_core.tracking import TrackingConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(RagenError, ValueError):
     """A config that cannot run: the message names the key and the fix."""
+
+
+def tag_problems(tags: Iterable[str], key: str) -> list[str]:
+    """One message per tag of ``tags`` (the value of config key or option ``key``) that no catalogue
+    entry, plug-in or run-time registration provides, with the closest known tags."""
+    import envs
+
+    known = envs.tags()
+    problems = []
+    for tag in tags:
+        if tag in known:
+            continue
+        close = difflib.get_close_matches(tag, known, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        problems.append(f"{key}: unknown environment tag {tag!r}; {hint}known tags: {', '.join(known)} "
+                        "(envs/catalogue.yaml)")
+    return problems
+
+
+def _model_shape_problems(m: ModelConfig) -> list[str]:
+    """What transformers' Qwen2 attention needs of the tiny model's shape (a saved model brings its own)."""
+    if m.path is not None:
+        return []
+    problems = []
+    if m.hidden_size % m.num_heads:
+        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
+                        "(each head gets hidden_size / num_heads dimensions); change either, e.g. "
+                        f"model.hidden_size={max(m.num_heads, m.hidden_size // m.num_heads * m.num_heads)}")
+    elif (m.hidden_size // m.num_heads) % 2:
+        problems.append(f"model.hidden_size / model.num_heads = {m.hidden_size // m.num_heads} is odd; rotary "
+                        "position embeddings rotate pairs of dimensions, so the head size must be even: change "
+                        "model.hidden_size or model.num_heads")
+    if m.num_heads % m.num_kv_heads:
+        problems.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads} "
+                        "(grouped-query attention shares each key/value head among num_heads / num_kv_heads "
+                        "query heads); choose a model.num_kv_heads that divides model.num_heads")
+    return problems
 
 
 class RolloutConfig(BaseModel):
@@ -99,6 +137,14 @@ class RagenConfig(BaseModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> RagenConfig:
+        # Tags and shapes are checked here, not where they are used: a typo there surfaces after the
+        # warm start has run and left a run directory behind.
+        problems = [*tag_problems(self.train.tags, "train.tags"), *tag_problems(self.val.tags, "val.tags")]
+        if self.sft is not None:
+            problems += tag_problems(self.sft.tags, "sft.tags")
+        problems += _model_shape_problems(self.model)
+        if problems:
+            raise ValueError("\n  ".join(problems))
         g, r, algo = self.train, self.rollout, self.learner.algorithm
         if g.group_size == 1 and r.filter_ratio < 1.0:
             raise ValueError(
@@ -144,7 +190,13 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. --set learner.algorithm.clip_high=0.28)")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"--set {item}: the value is not valid YAML ({problem}); close its brackets and "
+                              f"quotes, or quote it as a string: --set '{key.strip()}=\"...\"'") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -177,7 +229,8 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         elif not loc:  # a cross-field check: its message names the keys
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
-            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})"[:400])
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {err.get('input')!r})"[:400])
     return ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines))
 
 
@@ -189,7 +242,16 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config file {p}: YAML syntax error{where}: {problem}; fix the file there "
+                              "(indentation, a missing ':' or an unclosed bracket or quote)") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason}); pass a YAML config") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)

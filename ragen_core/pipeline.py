@@ -20,9 +20,10 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,10 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from ragen_core import stage_record
 from ragen_core.algorithms import group_std_stats, select_groups
 from ragen_core.config import RagenConfig, config_hash, dump_config, load_config
+from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
@@ -96,6 +99,11 @@ class RunDir:
 
     def eval_metrics_file(self, step: int) -> Path:
         return self.root / "eval" / f"step_{step:04d}.json"
+
+    def stage_record(self, stage: str, k: int) -> Path:
+        """What stage ``stage`` of iteration ``k`` (``evaluate``: step ``k``) made, and from what."""
+        folder = self.root / "eval" if stage == "evaluate" else self.iter_dir(k)
+        return folder / "stages" / (f"step_{k:04d}.json" if stage == "evaluate" else f"{stage}.json")
 
     def last_complete(self) -> int:
         """The last iteration whose DONE mark exists and all before it too (0 if none)."""
@@ -218,14 +226,49 @@ def _index_path() -> Path:
     return state_dir() / "runs.json"
 
 
+#: A run name: letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit, so that it is
+#: one folder name under the run root (no ``..``, no ``/``, no absolute path) and fits in an MLflow
+#: run name with the hash and random suffix that ``create_run`` appends.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class RunNameError(RagenError, ValueError):
+    """A run name that is not one safe folder name."""
+
+
+def check_run_name(name: str, source: str = "--name") -> str:
+    """``name`` if it is a valid run name, else :class:`RunNameError` naming ``source`` and the rule."""
+    if not RUN_NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
+        raise RunNameError(f"{source} {shown!r} is not a valid run name: use 1-64 letters, digits, '-', '_' "
+                           "or '.', starting with a letter or digit")
+    return name
+
+
+def run_name(cfg: RagenConfig, name: str | None = None, config_path: str | os.PathLike[str] | None = None) -> str:
+    """The name of a new run: ``name`` (``--name``), else ``trainer.run_name``, else the config file's
+    stem, else ``run``; checked by :func:`check_run_name`."""
+    if name:
+        return check_run_name(name)
+    if cfg.trainer.run_name:
+        return check_run_name(cfg.trainer.run_name, "trainer.run_name")
+    if config_path is not None:
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(config_path).stem)[:64].lstrip("-_.")
+        if stem:
+            return check_run_name(stem, "the config file name")
+    return "run"
+
+
 def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:
     """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``.
 
-    The id is recorded in the state folder's run index, so ``--resume ID`` finds the run wherever
-    its ``trainer.run_root`` put it.
+    ``name`` defaults to ``trainer.run_name`` or ``run`` and must pass :func:`check_run_name`. The id is
+    recorded in the state folder's run index, so ``--resume ID`` finds the run wherever its
+    ``trainer.run_root`` put it.
     """
     chash = config_hash(cfg)
-    run_id = f"{name or cfg.trainer.run_name or 'run'}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
+    name = check_run_name(name) if name else run_name(cfg)
+    run_id = f"{name}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
     run = RunDir(Path(root or cfg.trainer.run_root or state_dir() / "runs") / run_id)
     try:
         run.root.mkdir(parents=True, exist_ok=False)
@@ -234,10 +277,20 @@ def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLik
                       "is writable and the disk has space") from exc
     dump_config(cfg, run.config_path)
     run.update_info(run_id=run_id, config_hash=chash, created=time.time())
-    index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
-    index[run_id] = str(run.root.resolve())
-    atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True))
+    _index_add(run_id, run.root.resolve())
     return run
+
+
+def _index_add(run_id: str, root: Path) -> None:
+    """Add a run to the state folder's index; a lock beside it keeps concurrent new runs' entries."""
+    import fcntl
+
+    _index_path().parent.mkdir(parents=True, exist_ok=True)
+    with open(_index_path().with_name(".runs.json.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
+        index[run_id] = str(root)
+        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True))
 
 
 def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:
@@ -389,7 +442,15 @@ def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
 
 
 def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
-    """Iteration ``k``'s train rollouts with the policy after ``k - 1`` iterations."""
+    """Iteration ``k``'s train rollouts with the policy after ``k - 1`` iterations.
+
+    Reuses this run's stored rollouts when they are intact and were played by the same policy
+    (``ragen_core.stage_record``), so a resumed iteration does not play again."""
+    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(k - 1)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return run.rollouts(k), stored["metrics"]
+    session.restore(k - 1)
     t0 = time.perf_counter()
     table, env_metrics = play(cfg, run, session, "train", k)
     crash_point("rollout", k)
@@ -399,11 +460,18 @@ def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tu
     metrics = {f"train/{key}": v for key, v in env_metrics.items()}
     metrics.update(_response_metrics(table, ""))
     metrics.update({"timing_s/gen": seconds, "perf/rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
+    stage_record.save(record, inputs, [path], metrics)
     return path, metrics
 
 
-def filter_stage(cfg: RagenConfig, rollouts: Path, out: Path) -> tuple[list[int], dict[str, float]]:
-    """StarPO-S: keep whole groups with the largest in-group score std (spec 5.1, decision 13)."""
+def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict[str, float]]:
+    """StarPO-S: keep whole groups with the largest in-group score std (``rollout.filter_ratio`` of
+    them); writes the kept rows and the group statistics to the iteration's ``filter.json``."""
+    rollouts, out = run.rollouts(k), run.filter_file(k)
+    record, inputs = run.stage_record("filter", k), {"rollouts": rollouts}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return stored["extra"]["kept_rows"], stored["metrics"]
     table = read_table(rollouts)
     scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
@@ -415,12 +483,19 @@ def filter_stage(cfg: RagenConfig, rollouts: Path, out: Path) -> tuple[list[int]
     metrics.update({f"rollout/chosen_{k}": float(v) for k, v in after.items()})
     metrics["rollout/kept_trajectories"] = float(len(kept))
     atomic_write_text(out, json.dumps({"kept_rows": kept, "metrics": metrics}, indent=1))
+    stage_record.save(record, inputs, [out], metrics, {"kept_rows": kept})
     return kept, metrics
 
 
-def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, rollouts: Path,
-                kept: list[int]) -> dict[str, float]:
+def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: list[int]) -> dict[str, float]:
     """One learner step on the kept trajectories; saves the checkpoint of iteration ``k``."""
+    rollouts = run.rollouts(k)
+    record = run.stage_record("learn", k)
+    inputs = {"state": run.checkpoint(k - 1), "rollouts": rollouts, "filter": run.filter_file(k)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return stored["metrics"]
+    session.restore(k - 1)
     table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
     t0 = time.perf_counter()
     metrics = session.learner.step(to_token_batch(table))
@@ -432,11 +507,17 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, rollout
     metrics["timing_s/checkpoint"] = time.perf_counter() - t0
     session.sync_weights()
     session.at = k
+    stage_record.save(record, inputs, [run.checkpoint(k)], metrics)
     return metrics
 
 
 def evaluate_stage(cfg: RagenConfig, run: RunDir, step: int, session: Session) -> tuple[Path, dict[str, float]]:
     """Validation rollouts (fixed seeds, validation temperature) of the policy after ``step`` iterations."""
+    record, inputs = run.stage_record("evaluate", step), {"policy": run.policy_after(step)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return run.eval_file(step), stored["metrics"]
+    session.restore(step)
     t0 = time.perf_counter()
     table, env_metrics = play(cfg, run, session, "val")
     path = write_table(table, run.eval_file(step))
@@ -444,6 +525,7 @@ def evaluate_stage(cfg: RagenConfig, run: RunDir, step: int, session: Session) -
     metrics.update(_response_metrics(table, "val/"))
     metrics["timing_s/testing"] = time.perf_counter() - t0
     atomic_write_text(run.eval_metrics_file(step), json.dumps(metrics, indent=1, sort_keys=True))
+    stage_record.save(record, inputs, [path, run.eval_metrics_file(step)], metrics)
     return path, metrics
 
 
@@ -454,47 +536,9 @@ def eval_due(cfg: RagenConfig, step: int) -> bool:
     return step == t.iterations or (t.eval_every > 0 and step % t.eval_every == 0)
 
 
-@dataclass
-class IterationResult:
-    k: int
-    metrics: dict[str, float]
-    skipped: bool = False
-
-
-def run_iteration(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> IterationResult:
-    """Rollout -> filter -> learn (+ checkpoint) -> evaluate if due; then the DONE mark."""
-    t0 = time.perf_counter()
-    session.restore(k - 1)
-    rollouts, metrics = rollout_stage(cfg, run, k, session)
-    kept, m = filter_stage(cfg, rollouts, run.filter_file(k))
-    metrics.update(m)
-    metrics.update(learn_stage(cfg, run, k, session, rollouts, kept))
-    if eval_due(cfg, k):
-        metrics.update(evaluate_stage(cfg, run, k, session)[1])
-    metrics["timing_s/step"] = time.perf_counter() - t0
-    finish_iteration(run, k, metrics)
-    return IterationResult(k, metrics)
-
-
 def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:
     atomic_write_text(run.metrics_file(k), json.dumps(dict(metrics), indent=1, sort_keys=True))
     atomic_write_text(run.done_file(k), "")
-
-
-def train_loop(cfg: RagenConfig, run: RunDir, session: Session,
-               on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> int:
-    """Run (or resume) every iteration not yet DONE; returns the last iteration."""
-    start = run.last_complete()
-    if start == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
-        session.restore(0)
-        _, m = evaluate_stage(cfg, run, 0, session)
-        if on_metrics:
-            on_metrics(0, m)
-    for k in range(start + 1, cfg.trainer.iterations + 1):
-        result = run_iteration(cfg, run, k, session)
-        if on_metrics:
-            on_metrics(k, result.metrics)
-    return cfg.trainer.iterations
 
 
 # ------------------------------------------------------------------------------------ reruns
@@ -531,7 +575,9 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
     if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):
-        raise ValueError(f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+        raise ValueError(f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
+                         if k == 0 else
+                         f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
     out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The run's own backend by default: Ray actors run torch with their CPU count as thread count,

@@ -135,6 +135,19 @@ def test_killed_run_resumes_to_the_same_weights(point: str, reference: tuple[Pat
     assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
 
 
+def test_a_run_killed_again_while_resuming_resumes_to_the_same_weights(reference: tuple[Path, Path],
+                                                                         tmp_path: Path) -> None:
+    """The double-resume kill: killed in iteration 2, killed again in iteration 3 of the resume."""
+    assert train(tmp_path, crash="learn:2").returncode == -9
+    run = only_run(tmp_path)
+    again = ragen(["train", "--resume", run.name], tmp_path, crash="rollout:3")
+    assert again.returncode == -9 and (run / "iter_0002" / "DONE").exists()
+    resumed = ragen(["train", "--resume", run.name], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert mlflow_steps(tmp_path, run) == [0, 1, 2, 3]
+    assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
+
+
 @pytest.mark.parametrize("stage", ["learn", "rollout"])
 def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path, Path]) -> None:
     state, run = reference

@@ -58,3 +58,51 @@ def test_yaml_round_trip_and_hash(tmp_path: Path) -> None:
     assert flat["train.tags"] == '["Bandit"]' and flat["trainer.iterations"] == "3"
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.tags=[Banditt]", r"train\.tags: unknown environment tag 'Banditt'; did you mean Bandit"),
+        ("val.tags=[SimpleSokoba]", r"val\.tags: unknown environment tag 'SimpleSokoba'; did you mean SimpleSokoban"),
+        ("sft.tags=[FrozenLak]", r"sft\.tags: unknown environment tag 'FrozenLak'; did you mean FrozenLake"),
+        ("train.tags=[Zzzz]", r"train\.tags: unknown environment tag 'Zzzz'; known tags: .*Bandit"),
+        ("model.hidden_size=65", r"model\.hidden_size=65 is not divisible by model\.num_heads=4.*model\.hidden_size=64"),
+        ("model.hidden_size=60", r"model\.hidden_size / model\.num_heads = 15 is odd.*rotary"),
+        ("model.num_kv_heads=3", r"model\.num_heads=4 is not divisible by model\.num_kv_heads=3"),
+    ],
+)
+def test_tags_and_model_shapes_are_checked_at_load(override: str, message: str) -> None:
+    """Issue 18 (9): these failed only once the warm start had run (39-76 s) and left a run directory."""
+    overrides = [override, "learner.optim.mini_batch_size=32"]
+    if override.startswith("sft."):
+        overrides.append("sft.steps=1")  # the defaults have no warm start: this creates the section
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_a_saved_model_brings_its_own_shape_and_registered_tags_are_known() -> None:
+    import envs
+    from envs.registry import EnvSpec
+
+    cfg = load_config(overrides=["model.path=/models/qwen", "model.hidden_size=65", "learner.optim.mini_batch_size=32"])
+    assert cfg.model.hidden_size == 65  # ignored when model.path is set: nothing to check
+    envs.register_tag(EnvSpec(tag="ConfigProbeSokoban", env_type="sokoban", env_config={"dim_room": [5, 5]}))
+    assert load_config(overrides=["train.tags=[ConfigProbeSokoban]", "learner.optim.mini_batch_size=32"]
+                       ).train.tags == ["ConfigProbeSokoban"]
+
+
+def test_yaml_errors_name_the_file_the_line_and_the_override(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  iterations: 3\n  seed: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"config file {bad}: YAML syntax error at line \d+, column \d+"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"--set trainer\.iterations=\[1,: the value is not valid YAML"):
+        parse_overrides(["trainer.iterations=[1,"])
+
+
+def test_config_error_is_a_user_error() -> None:
+    from ragen_core.errors import RagenError, is_user_error
+
+    err = ConfigError("x")
+    assert isinstance(err, RagenError) and isinstance(err, ValueError) and is_user_error(err)

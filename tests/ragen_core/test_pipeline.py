@@ -38,14 +38,14 @@ def test_preflight_names_what_to_change(tmp_path: Path, monkeypatch: pytest.Monk
     preflight(load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}"]))
 
 
-def test_iteration_flow_is_a_cache_hit_until_an_upstream_artifact_changes(tmp_path: Path) -> None:
+def test_iteration_reuses_only_intact_stage_outputs_of_its_own_run(tmp_path: Path) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.train import iteration_flow
     from tasks.stages import drop_session, register_session
 
     cfg = load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}"])
-    run = create_run(cfg, "cache")
+    run = create_run(cfg, "reuse")
     init_policy_stage(cfg, run)
     session = Session(cfg, run, backend="local")
     register_session(run, session)
@@ -56,19 +56,57 @@ def test_iteration_flow_is_a_cache_hit_until_an_upstream_artifact_changes(tmp_pa
             assert learner.global_step == 1 and RunDir(run.root).last_complete() == 1
             stored = run.rollouts(1).read_bytes()
             saved = (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns
-            iteration_flow(str(run.root), 1)  # same inputs: every task is a cache hit
+            iteration_flow(str(run.root), 1)  # same inputs, intact outputs: every stage is reused
             assert learner.global_step == 1 and run.rollouts(1).read_bytes() == stored
             assert (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns == saved
-            # Change an upstream artifact: the rollouts. Filter and learn depend on it and rerun.
-            table = pq.read_table(run.rollouts(1))
-            pq.write_table(table.slice(0, table.num_rows), run.rollouts(1), compression="snappy")
+            # A truncated output is never trusted: the rollout stage plays again (the same bytes, it is
+            # deterministic), and what depends on it is reused only because its input is the same again.
+            run.rollouts(1).write_bytes(stored[: len(stored) // 2])
             iteration_flow(str(run.root), 1)
-            assert (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns != saved  # learn ran again
-            assert learner.global_step == 1  # from the restored fresh learner, not stacked on step 1
-            assert session.at == 1
+            assert run.rollouts(1).read_bytes() == stored
+            assert (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns == saved
+            # A deleted checkpoint: the learn stage runs again, from the restored fresh learner.
+            import shutil
+
+            shutil.rmtree(run.checkpoint(1))
+            iteration_flow(str(run.root), 1)
+            assert (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns != saved
+            assert learner.global_step == 1 and session.at == 1
     finally:
         drop_session(run)
         session.close()
+
+
+def test_a_second_run_of_the_same_config_reuses_nothing_of_the_first(tmp_path: Path) -> None:
+    """Issue 18, defect 1: the second run of a config got the first run's cached results and never
+    wrote its own files. Each run now writes its own rollouts, checkpoints and records."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.train import iteration_flow
+    from tasks.stages import drop_session, register_session
+
+    cfg = load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}", "sft=null"])
+    runs = []
+    with prefect_test_harness():
+        for _ in range(2):
+            run = create_run(cfg, "twice")
+            init_policy_stage(cfg, run)
+            session = Session(cfg, run, backend="local")
+            register_session(run, session)
+            try:
+                iteration_flow(str(run.root), 1)
+            finally:
+                drop_session(run)
+                session.close()
+            runs.append(run)
+    first, second = runs
+    assert first.root != second.root
+    for run in runs:
+        assert run.rollouts(1).is_file() and (run.checkpoint(1) / "manifest.json").is_file()
+        assert run.last_complete() == 1
+    a, b = (pq.read_table(r.rollouts(1)) for r in runs)  # same config and seed: the same play ...
+    assert a.drop(["run_id"]).equals(b.drop(["run_id"]))
+    assert set(a.column("run_id").to_pylist()) != set(b.column("run_id").to_pylist())  # ... in its own run
 
 
 def test_file_digest_follows_content_and_skips_rehashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,64 @@
+"""What ``ragen train --resume RUN`` accepts besides the run: the policy for a config and overrides.
+
+A resumed run keeps the config its stored iterations were made with; anything else would make the
+run a mix of two experiments that no one can rerun. What is safe is accepted and recorded:
+
+* ``trainer.iterations``: extend a run ("50 more iterations"), or end it earlier, but never before
+  its last complete iteration;
+* how the loop is orchestrated and observed, which changes no number: ``trainer.eval_every``,
+  ``trainer.backend``, ``trainer.iteration_as`` and ``tracking.*``.
+
+Any other change, through ``--set`` or through a config file given with ``--resume``, is refused
+before anything is written, naming the keys, their stored and given values, and the fix (a new run).
+An accepted change rewrites ``config.yaml`` and is appended to ``run.json``'s ``resumes`` list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ragen_core.config import RagenConfig, flatten, load_config
+from ragen_core.errors import RagenError
+
+#: Keys a resume may change (exact keys, or prefixes ending in a dot).
+RESUMABLE = ("trainer.iterations", "trainer.eval_every", "trainer.backend", "trainer.iteration_as", "tracking.")
+
+
+class ResumeError(RagenError, ValueError):
+    """A resume asked to change what the run's stored iterations depend on."""
+
+
+def _allowed(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
+
+
+def resume_config(run_root: Path, stored: RagenConfig, last_complete: int, config: str | Path | None = None,
+                  overrides: Iterable[str] = ()) -> tuple[RagenConfig, dict[str, tuple[str, str]]]:
+    """The config to resume with, and the changes made to the stored one (``{key: (stored, new)}``).
+
+    ``config`` (a YAML file) and ``overrides`` are applied as for a new run; the result may differ
+    from ``stored`` only in :data:`RESUMABLE` keys, else :class:`ResumeError`.
+    """
+    overrides = list(overrides)
+    if config is None and not overrides:
+        return stored, {}
+    given = load_config(config if config is not None else run_root / "config.yaml", overrides)
+    old, new = flatten(stored), flatten(given)
+    changes = {k: (old.get(k, "-"), new.get(k, "-")) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    refused = [k for k in changes if not _allowed(k)]
+    if refused:
+        shown = "; ".join(f"{k}: stored {changes[k][0]}, given {changes[k][1]}" for k in refused[:5])
+        more = f" (and {len(refused) - 5} more)" if len(refused) > 5 else ""
+        source = f"config {config}" if config is not None else "--set"
+        raise ResumeError(
+            f"cannot resume {run_root.name} with {source}: it changes {shown}{more}. A resumed run keeps the "
+            f"config of its stored iterations (only {', '.join(RESUMABLE)}* may change); resume without it, "
+            "or start a new run with this config"
+        )
+    if given.trainer.iterations < last_complete:
+        raise ResumeError(
+            f"cannot resume {run_root.name} with trainer.iterations={given.trainer.iterations}: it already has "
+            f"{last_complete} complete iterations; give trainer.iterations >= {last_complete}"
+        )
+    return given, changes

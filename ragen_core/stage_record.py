@@ -1,0 +1,61 @@
+"""What a finished stage made, and from what: the record that lets a resumed run reuse it.
+
+A run killed between stages resumes its pending iteration without redoing the stages that
+finished: a stage's stored output is reused when, and only when,
+
+* its record is in this run's directory (so nothing is ever reused across runs),
+* every output it lists still exists with the digest it had when the stage wrote it, and
+* every input it lists (the policy it played, the rollouts it learned from, ...) has the digest
+  it had then.
+
+Otherwise the stage runs again and overwrites its own outputs and record. A deleted, truncated or
+edited output is therefore regenerated (the stage is deterministic), never trusted. Digests are
+:func:`ragen_core.pipeline.file_digest` of files or folders. The record is written last, after
+every output, so a stage killed half-way has no record and reruns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def _digest(path: Path) -> str | None:
+    from ragen_core.pipeline import file_digest
+
+    if not path.exists():
+        return None
+    return file_digest(path)
+
+
+def load(record: Path, inputs: Mapping[str, Path]) -> dict[str, Any] | None:
+    """The stored result (``metrics`` and ``extra``) of the stage that wrote ``record``, if it may be
+    reused with these ``inputs``; else None."""
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    want = data.get("inputs", {})
+    if set(want) != set(inputs) or any(_digest(p) != want[name] for name, p in inputs.items()):
+        return None
+    for rel, digest in data.get("outputs", {}).items():
+        if _digest(record.parent.parent / rel) != digest:
+            return None
+    return {"metrics": data.get("metrics", {}), "extra": data.get("extra", {})}
+
+
+def save(record: Path, inputs: Mapping[str, Path], outputs: list[Path], metrics: Mapping[str, float],
+         extra: Mapping[str, Any] | None = None) -> None:
+    """Write the record of a stage that has just written ``outputs`` from ``inputs``."""
+    from ragen_core.pipeline import atomic_write_text
+
+    base = record.parent.parent
+    data = {
+        "inputs": {name: _digest(p) for name, p in inputs.items()},
+        "outputs": {str(p.relative_to(base)): _digest(p) for p in outputs},
+        "metrics": dict(metrics),
+        "extra": dict(extra or {}),
+    }
+    atomic_write_text(record, json.dumps(data, indent=1, sort_keys=True))
