@@ -593,7 +593,8 @@ def model_import(
     from ragen_core.model_import import import_gguf
 
     t0 = time.perf_counter()
-    result = import_gguf(source, name=name, dtype=dtype, force=force, chat_template=chat_template)
+    result = import_gguf(source, name=name, dtype=dtype, force=force, chat_template=chat_template,
+                         progress=lambda line: console().print(line, markup=False, soft_wrap=True))
     rec = result.source
     out = console()
     if not result.created:

