@@ -256,7 +256,7 @@ def check_gguf(path: str | os.PathLike) -> GGUFInfo:
     Raises :class:`ModelImportError` when the file does not exist, is not GGUF, is truncated or
     otherwise unreadable, or holds an architecture transformers cannot convert.
     """
-    from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS, GgufHeader, read_gguf_metadata
 
     path = Path(path)
     if not path.is_file():
@@ -274,18 +274,36 @@ def check_gguf(path: str | os.PathLike) -> GGUFInfo:
         arch = str(metadata["general.architecture"])
         if not _architecture_supported(arch):
             raise _unsupported(path, arch)
-        header = GgufHeader.from_file(str(path))
+        try:
+            header = GgufHeader.from_file(str(path))
+            n_tensors = len(header.tensors)
+            start = header.data_start
+            end = start + max((t.offset + t.nbytes for t in header.tensors), default=0)
+        except ValueError as exc:
+            if "ggml type" not in str(exc) or arch in GGUF_CONFIG_ARCHS:
+                raise
+            # transformers' fast reader knows fewer tensor types (e.g. Q5_0) than the gguf package
+            # its loader for this architecture dequantizes with: check the file with that one
+            import gguf
+
+            reader = gguf.GGUFReader(str(path))  # raises on a truncated file
+            n_tensors = len(reader.tensors)
+            start = min((int(t.data_offset) for t in reader.tensors), default=0)
+            end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except ModelImportError:
         raise
     except Exception as exc:  # struct.error, UnicodeDecodeError, ValueError, KeyError, ...: a broken header
+        if isinstance(exc, ValueError) and re.search(r"not supported yet|this reader handles", str(exc)):
+            # a well-formed file in a GGUF version or tensor type transformers cannot read (it lists them)
+            raise ModelImportError(f"{path}: transformers cannot dequantize this GGUF file: {exc} Import a "
+                                   "GGUF file of a supported version and quantization type") from exc
         kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
         raise ModelImportError(f"{path} is corrupt or truncated: cannot read its GGUF header ({kind}: {exc}); "
                                f"{fix}") from exc
-    end = header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
     if end > size:
-        raise ModelImportError(f"{path} is truncated: its {len(header.tensors)} tensors end at byte {end} but "
+        raise ModelImportError(f"{path} is truncated: its {n_tensors} tensors end at byte {end} but "
                                f"the file has {size} bytes; {fix}")
-    return GGUFInfo(arch, metadata, len(header.tensors), end - header.data_start)
+    return GGUFInfo(arch, metadata, n_tensors, end - start)
 
 
 def _no_template(path: Path) -> ModelImportError:

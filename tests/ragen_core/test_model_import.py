@@ -281,6 +281,26 @@ def test_bad_source_is_one_clear_error_and_leaves_nothing(case, tmp_path, monkey
     assert leftovers(state) == []
 
 
+def test_tensor_types_of_the_gguf_package_pass_the_header_check(tmp_path):
+    """Q5_0: not in transformers' fast GGUF reader, but its llama loader dequantizes it with gguf."""
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    packed = gguf.quants.quantize(np.random.default_rng(0).random((4, 64), dtype=np.float32), GGMLQuantizationType.Q5_0)
+    w = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
+    w.add_chat_template("{{ x }}")
+    w.add_tensor("token_embd.weight", packed, raw_shape=packed.shape, raw_dtype=GGMLQuantizationType.Q5_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    info = model_import.check_gguf(tmp_path / "q5.gguf")
+    assert (info.architecture, info.n_tensors, info.data_bytes) == ("llama", 1, 176)
+    data = (tmp_path / "q5.gguf").read_bytes()
+    with pytest.raises(ModelImportError, match="is corrupt or truncated"):
+        model_import.check_gguf(write(tmp_path / "q5-cut.gguf", data[:-50]))
+
+
 def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, monkeypatch):
     """Past our header check, transformers' own refusal (a ValueError) becomes the same clear error."""
     monkeypatch.setattr(model_import, "_architecture_supported", lambda arch: True)
