@@ -132,8 +132,8 @@ def test_model_path_loads_it_with_its_chat_template(imported, policy):
 
 
 def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
-    """The agent protocol end to end on Bandit: rollout log-probs match a recomputation, and one
-    learner step (GRPO, from the folder as a run's learner loads it) updates the weights."""
+    """The agent protocol end to end on Bandit, and one learner step (GRPO, loading the folder as a
+    run's learner does) whose log-probs match the rollout's and which updates the weights."""
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
     from ragen_core.learner import AlgorithmConfig, Learner, LearnerConfig, OptimConfig
     from ragen_core.protocol import ProtocolConfig
@@ -148,13 +148,7 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     assert len(trajs) == 2
     for t in trajs:
         assert tok.decode(t.input_ids).startswith("<|im_start|>system\n")
-        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
-        assert 0 < int(mask.sum()) <= 13
-        ids = torch.tensor([t.input_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-        recomputed = torch.cat([torch.zeros(1), lp])
-        assert (recomputed[mask] - torch.tensor(t.rollout_logprobs)[mask]).abs().max() < 1e-3
+        assert 0 < sum(t.loss_mask) <= 13 and any(lp != 0 for lp in t.rollout_logprobs)
     cfg = LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo"),
                         optim=OptimConfig(actor_lr=1e-5, mini_batch_size=2, micro_batch_size=2))
     learner = Learner.from_pretrained(imported[0].path, cfg)
@@ -164,6 +158,8 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     batch.scores = torch.tensor([1.0, 0.0])  # a non-zero advantage whatever the samples scored
     metrics = learner.step(batch)
     assert all(np.isfinite(v) for v in metrics.values()), metrics
+    # the learner's log-probs (its own load of the folder) are the rollout's
+    assert metrics["rollout/old_vs_rollout_logprob_diff"] < 1e-4, metrics
     assert metrics["actor/skipped_steps"] == 0
     assert not torch.equal(norm.detach(), before)
 
