@@ -638,7 +638,8 @@ def import_gguf(
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():  # never the only copy of a model
+            shutil.rmtree(old, ignore_errors=True)
     log.info("imported %s into %s in %.1f s", src.path, target, time.perf_counter() - t0)
     return ImportResult(target, created=True, source=record)
 
