@@ -1060,10 +1060,10 @@ class Learner:
         policy_sd = self._read_policy(path / "policy")
         critic_sd = None
         if self.critic is not None:
-            critic_sd = _read_file(path / "critic.safetensors", lambda f: safetensors.torch.load_file(str(f)))
+            critic_sd = _read_file(path / "critic.safetensors", lambda f: safetensors.torch.load_file(str(f)), path)
             _check_state(self.critic, critic_sd, path / "critic.safetensors")
-        optim_state = _read_file(path / "optim.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True))
-        rng = _read_file(path / "rng.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True))
+        optim_state = _read_file(path / "optim.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
+        rng = _read_file(path / "rng.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
         _check_optim(self.actor_optim, optim_state["actor_optim"], "actor")
         if self.critic_optim is not None:
             _check_optim(self.critic_optim, optim_state["critic_optim"], "critic")
@@ -1130,7 +1130,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     manifest_file = path / _MANIFEST
     if not manifest_file.is_file():
         raise CheckpointError(f"{path}: not a learner checkpoint (no {_MANIFEST})")
-    fix = f"Nothing was loaded. Restore {path} from a copy, or start a new run"
+    fix = f"Nothing was loaded. {_checkpoint_repair(path)}"
     try:
         manifest = json.loads(manifest_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -1154,14 +1154,25 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def _read_file(f: Path, read: Any) -> Any:
+def _checkpoint_repair(path: Path) -> str:
+    """The fix for a damaged checkpoint. An iteration's checkpoint in a run directory
+    (``<run>/iter_K/checkpoint``) is recomputed by resuming from before iteration K: its learn stage
+    sees its damaged output and runs again from checkpoint K - 1 (deterministically on CPU)."""
+    folder = path.parent.name
+    if path.name == "checkpoint" and folder.startswith("iter_") and folder[5:].isdigit():
+        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+    return f"Restore {path} from a copy, or start a new run"
+
+
+def _read_file(f: Path, read: Any, checkpoint: Path) -> Any:
     """``read(f)``, with any failure raised as ``CheckpointError`` naming ``f``."""
     try:
         return read(f)
     except Exception as exc:
         raise CheckpointError(f"{f}: cannot read this checkpoint file (truncated or corrupt?): "
-                              f"{type(exc).__name__}: {exc}. Nothing was loaded. Restore {f.parent} from a copy, "
-                              "or start a new run") from exc
+                              f"{type(exc).__name__}: {exc}. Nothing was loaded. {_checkpoint_repair(checkpoint)}"
+                              ) from exc
 
 
 def _tied_groups(module: nn.Module) -> dict[str, list[str]]:

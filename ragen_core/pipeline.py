@@ -42,10 +42,8 @@ from ragen_core.storage import write_error
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
 
-class RunFileError(ValueError):
+class RunFileError(RagenError, ValueError):
     """A file of a run directory that cannot be read (not JSON, not a config); names the file and the fix."""
-
-    user_error = True
 
 
 # ------------------------------------------------------------------------------------ run dir
@@ -85,17 +83,24 @@ class RunDir:
             raise RunFileError(f"{path}: not valid JSON ({exc}). {fix}") from exc
 
     def _repair(self, path: Path) -> str:
-        """What a user can do about a damaged file of this run (said in the error). Deleting an
-        iteration's folder does not make ``--resume`` recompute it (the stage tasks' cache keys
-        look at their inputs only), so that is not offered."""
+        """What a user can do about a damaged file of this run (said in the error). Files of an
+        iteration are recomputed by resuming from before it: its stages replay what is damaged
+        (``stage_record``) and reuse what is intact."""
         if path == self.info_path:
             return ("Restore it from a copy; it holds the run's identity (run_id, config_hash, mlflow_run_id), "
                     "which cannot be recomputed")
         if path == self.config_path:
             return "Restore it from a copy (the run's MLflow artifacts hold config.yaml), or start a new run"
-        if path.parent == self.root / "eval" and path.stem.startswith("step_"):
-            return (f"Restore it from a copy, or recompute it into {self.root / 'reruns'} with "
-                    f"`ragen rerun {self.root} --iteration {int(path.stem[5:])} --stage evaluate`")
+        top = path.relative_to(self.root).parts[0] if path.is_relative_to(self.root) else ""
+        k = int(top[5:]) if top.startswith("iter_") and top[5:].isdigit() else None
+        if path.parent == self.root / "eval" and path.stem.startswith("step_") and path.stem[5:].isdigit():
+            k = int(path.stem[5:]) or None  # step 0 (before training) belongs to no iteration
+            if k is None:
+                return (f"Restore it from a copy, or recompute it into {self.root / 'reruns'} with "
+                        f"`ragen rerun {self.root} --iteration 0 --stage evaluate`")
+        if k is not None:
+            return (f"Restore it from a copy, or delete {self.done_file(k)} and resume the run "
+                    f"(`ragen train --resume`): iteration {k} is recomputed from its intact inputs")
         return "Restore it from a copy"
 
     def update_info(self, **values: Any) -> dict[str, Any]:
@@ -110,8 +115,8 @@ class RunDir:
         verify(self.config_path, fix=self._repair(self.config_path))
         try:
             return load_config(self.config_path)
-        except ConfigError as exc:
-            raise RunFileError(f"{self.config_path}: not a valid run config ({exc}). "
+        except ConfigError as exc:  # its message names the file already; the fix differs for a run's copy
+            raise RunFileError(f"{' '.join(str(exc).split())}. It is this run's stored config: "
                                f"{self._repair(self.config_path)}") from exc
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise RunFileError(f"{self.config_path}: not valid YAML ({' '.join(str(exc).split())}). "

@@ -69,9 +69,14 @@ class TrajectoryFileError(ValueError):
     user_error = True
 
 
-#: what to do about a damaged trajectory file (rollouts are reproducible from the run directory)
-_REPAIR = ("Restore it from a copy; a run's rollouts can be recomputed with "
-           "`ragen rerun RUN --iteration K --stage rollout`, evaluations with `--stage evaluate`")
+def _repair(path: Path) -> str:
+    """What to do about a damaged trajectory file: a run's rollouts are recomputed by resuming the
+    run from before their iteration (the rollout stage replays a damaged output, deterministically)."""
+    folder = path.parent.name
+    if path.name == "rollouts.parquet" and folder.startswith("iter_") and folder[5:].isdigit():
+        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+    return "Restore it from a copy, or rerun the stage that wrote it"
 
 
 @dataclass
@@ -163,14 +168,14 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
     if not path.exists():
         raise TrajectoryFileError(f"{path}: no such trajectory file")
     try:
-        verify(path, fix=_REPAIR)
+        verify(path, fix=_repair(path))
     except CorruptFileError as exc:
         raise TrajectoryFileError(str(exc)) from exc
     try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
         raise TrajectoryFileError(
-            f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}. {_REPAIR}"
+            f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}. {_repair(path)}"
         ) from exc
     version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
     if version is None:

@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.flows.test_train import Result, only_run, ragen, train
+from tests.flows.test_train import Result, assert_bitwise_equal, only_run, ragen, train
+from tests.flows.test_train import weights as weights_of
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def error_line(out: Result, *needles: str) -> str:
     """The one line of output that says what failed: it must hold every needle (the file, the fix)."""
     lines = [line for line in (out.stderr + out.stdout).splitlines() if all(n in line for n in needles)]
     assert lines, f"no line with {needles}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    print(lines[-1])  # shown with -s: what a user reads
     return lines[-1]
 
 
@@ -76,9 +78,15 @@ def test_resume_refuses_a_checkpoint_with_flipped_bytes(reference: tuple[Path, P
 
     out = ragen(["train", "--resume", str(run)], state)
     assert out.returncode != 0
-    error_line(out, f"{weights}: corrupt file", "iteration 2", "Restore")
+    error_line(out, f"{weights}: corrupt file", f"delete {run / 'iter_0002' / 'DONE'} and resume")
     assert not (run / "iter_0003" / "DONE").exists()
     assert (run / "iter_0003" / "checkpoint" / "policy" / "model.safetensors").read_bytes() == trained  # nothing trained
+
+    # The fix the message gives is true: iteration 2 is recomputed (bitwise, on CPU), 3 trains from it.
+    (run / "iter_0002" / "DONE").unlink()
+    repaired = ragen(["train", "--resume", str(run)], state)
+    assert repaired.returncode == 0, repaired.stdout[-3000:] + repaired.stderr[-3000:]
+    assert_bitwise_equal(weights_of(run, 3), weights_of(reference[1], 3))
 
 
 def test_rerun_learn_names_a_rollouts_file_with_flipped_bytes(reference: tuple[Path, Path], tmp_path: Path) -> None:
