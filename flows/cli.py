@@ -564,16 +564,55 @@ def sweep_report(
 # ------------------------------------------------------------------------------------------------
 # ui / doctor
 # ------------------------------------------------------------------------------------------------
+def _port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (or on every interface), so a server cannot bind it."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
 @app.command()
 def ui(
-    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port.")] = 5000,
-    prefect_port: Annotated[int, typer.Option(help="Prefect server port.")] = 4200,
+    mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
+    prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect server port.")] = 4200,
 ) -> None:
-    """Start the MLflow UI (on the local store) and a Prefect server on 127.0.0.1; Ctrl-C stops both."""
+    """Start the MLflow UI (on the local store) and a Prefect server on 127.0.0.1; Ctrl-C stops both.
+
+    Each URL is printed once its server answers. If either server stops, the other is stopped too
+    and the command exits non-zero, naming the one that stopped.
+    """
+    import contextlib
     import os
+    import signal
     import subprocess
     import sys
+    import time
 
+    # Checked before anything starts: a server that cannot bind dies, and a URL printed for a port
+    # someone else holds would show that other server (another MLflow store, another Prefect).
+    if mlflow_port == prefect_port:
+        fail(f"--mlflow-port and --prefect-port are both {mlflow_port}; give them different ports")
+    for port, what, option in ((mlflow_port, "MLflow UI", "--mlflow-port"),
+                               (prefect_port, "Prefect server", "--prefect-port")):
+        if _port_in_use(port):
+            fail(f"port {port} on 127.0.0.1 is already in use, so the {what} cannot start on it; stop what "
+                 f"listens there or pass another port: ragen ui {option} N")
     state = _prepare()
     from ragen_core.tracking import TrackingConfig, resolve_tracking_uri
 
@@ -581,23 +620,63 @@ def ui(
     bin_dir = Path(sys.executable).parent
     env = {**os.environ}
     env.pop("PREFECT_API_URL", None)
-    procs = [
-        subprocess.Popen([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                          "--workers", "1", "--backend-store-uri", uri,
-                          "--artifacts-destination", str(state / "mlartifacts")], env=env),
-        subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
-                          "--port", str(prefect_port)], env=env),
-    ]
-    console().print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}\nPrefect UI: http://127.0.0.1:{prefect_port}\n"
-                    f"(use PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api to send flow runs there)")
+    # Each server in a process group of its own: stopping it stops the workers it starts, and Ctrl-C
+    # reaches only this command, which then stops both in order. (A SIGKILLed `ragen ui` leaves
+    # them to the watchdog of flows.settings.)
+    servers = {
+        "MLflow UI": (
+            subprocess.Popen([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                              "--workers", "1", "--backend-store-uri", uri,
+                              "--artifacts-destination", str(state / "mlartifacts")], env=env,
+                             start_new_session=True),
+            f"http://127.0.0.1:{mlflow_port}", "/health"),
+        "Prefect server": (
+            subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+                              "--port", str(prefect_port)], env=env, start_new_session=True),
+            f"http://127.0.0.1:{prefect_port}", "/api/health"),
+    }
+    out = console()
+    out.print(f"starting the MLflow UI (store {uri}) and the Prefect server on 127.0.0.1 ...")
+    waiting = set(servers)
+    died: tuple[str, int] | None = None
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # `kill` stops both servers as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        for p in procs:
-            p.wait()
+        while died is None:
+            for name, (proc, url, health) in servers.items():
+                code = proc.poll()
+                if code is not None:
+                    died = (name, code)
+                    break
+                if name in waiting and _healthy(url + health):
+                    waiting.discard(name)
+                    out.print(f"{name + ':':16}{url}")
+                    if name == "Prefect server":
+                        out.print(f"  (use PREFECT_API_URL={url}/api to send flow runs there)")
+            else:
+                time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        for p in procs:
-            p.terminate()
+        for proc, _, _ in servers.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc, _, _ in servers.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            with contextlib.suppress(ProcessLookupError):  # the group: workers outliving their server
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if died is not None:
+        name, code = died
+        other = next(n for n in servers if n != name)
+        fail(f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output is "
+             f"above); stopped the {other} too")
 
 
 @app.command()
@@ -644,8 +723,12 @@ def doctor() -> None:
         from ragen_core.actors import init_ray
 
         resources = init_ray()
+        import os
+
+        where = os.environ.get("RAY_ADDRESS") or f"local, on {ray.util.get_node_ip_address()}"
         out.print(f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
-                  f"({time.perf_counter() - t0:.1f} s to start)")
+                  f"({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
+                  f"{time.perf_counter() - t0:.1f} s to start)")
         ray.shutdown()
     except Exception as exc:
         ok = False

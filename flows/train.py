@@ -108,18 +108,19 @@ def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
 
 
 def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: dict[str, float]) -> None:
-    """Log one step's metrics and artifacts (idempotent per step)."""
-    if not tracker.log_iteration(k, metrics):
+    """Log one step's artifacts, then its metrics with the step's ``iteration`` marker (idempotent per
+    step): a tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
+    if k in tracker.logged_steps():
         return
-    if not cfg.tracking.log_artifacts:
-        return
-    if k > 0 and run.rollouts(k).exists():
-        tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-        # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
-        tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k,
-                                append_table=k == cfg.trainer.iterations)
-    if run.eval_file(k).exists():
-        tracker.log_artifact(run.eval_file(k), "eval")
+    if cfg.tracking.log_artifacts:
+        if k > 0 and run.rollouts(k).exists():
+            tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
+            # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
+            tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k,
+                                    append_table=k == cfg.trainer.iterations)
+        if run.eval_file(k).exists():
+            tracker.log_artifact(run.eval_file(k), "eval")
+    tracker.log_iteration(k, metrics)
 
 
 def _best_step(run: RunDir, last: int) -> int | None:
@@ -201,7 +202,8 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         warm_start_task(str(run.root))
         if cfg.tracking.log_artifacts and "config.yaml" not in info.get("logged_artifacts", []):
             tracker.log_artifact(run.config_path)
-            run.update_info(logged_artifacts=["config.yaml"])
+            if tracker.offline is None:  # uploaded, not skipped by a tracker that lost its server
+                run.update_info(logged_artifacts=["config.yaml"])
         session = Session(cfg, run, backend=cfg.trainer.backend)
         register_session(run, session)
         monitor = EchoTrapMonitor(cfg.monitor)
@@ -263,3 +265,6 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
             drop_session(run)
             session.close()
         tracker.end(status)
+        offline = tracker.offline_message(info["run_id"], run.root)  # MLflow went away mid-run: say what to do
+        if offline:
+            log.warning(offline)

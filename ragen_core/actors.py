@@ -9,17 +9,26 @@ mini-batch, with the mini-batch's global token counts and all-reduced gradients,
 exactly the optimiser step one learner would take (see ``ragen_core.learner``). The metrics of
 rank 0 are returned; they are global (reduced over the group).
 
-``init_ray()`` connects to ``RAY_ADDRESS`` when it is set, else starts a small local cluster
-(capped object store, no dashboard, no usage stats, no auth token file).
+The actors of a group are placed through one Ray placement group: every bundle is reserved before
+any actor starts, so a group the cluster cannot hold fails at once (``LearnerPlacementError``,
+naming ``trainer.learners``, ``learner.num_cpus`` and what the cluster has) instead of one rank
+waiting at the rendezvous for a peer that never gets a CPU.
+
+``init_ray()`` connects to ``RAY_ADDRESS`` when it is set. Otherwise it always starts a cluster of
+its own (never joins one that another process started on this machine), small (capped object
+store, no dashboard, no usage stats), with every Ray process listening on 127.0.0.1 only, and Ray's
+token authentication on, the token kept in the state folder (``<state>/ray/auth_token``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
+import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,11 +39,13 @@ import torch.distributed as dist
 
 from ragen_core.learner import Learner, LearnerConfig
 
-__all__ = ["LearnerActor", "LearnerGroup", "LearnerWorker", "init_ray"]
+__all__ = [
+    "LearnerActor", "LearnerGroup", "LearnerPlacementError", "LearnerWorker", "init_ray", "reserve_learners",
+]
 
-#: Environment of the driver and of every Ray worker.
+#: Environment of the driver and of every Ray worker. (Not RAY_AUTH_MODE: a cluster given by
+#: RAY_ADDRESS decides its own; ``init_ray`` turns token auth on for the clusters it starts.)
 RAY_ENV = {
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
@@ -54,10 +65,12 @@ def init_ray(
 ) -> dict[str, Any]:
     """Start or join Ray once per process; returns ``ray.cluster_resources()``.
 
-    ``address`` (default ``$RAY_ADDRESS``) joins an existing cluster. Otherwise a local cluster with
-    ``num_cpus`` (default ``$RAGEN_RAY_NUM_CPUS`` or the machine's CPU count) and an object store
-    capped at ``object_store_memory`` bytes is started. Workers get ``RAY_ENV`` (+ ``env_vars``) as
-    environment variables; the project is importable there because it is installed in the venv.
+    ``address`` (default ``$RAY_ADDRESS``) joins an existing cluster. Otherwise a new local cluster
+    is started, even when another one runs on this machine, with ``num_cpus`` (default
+    ``$RAGEN_RAY_NUM_CPUS`` or the machine's CPU count), an object store capped at
+    ``object_store_memory`` bytes, every process bound to 127.0.0.1, and token authentication
+    (unless ``RAY_AUTH_MODE`` is set). Workers get ``RAY_ENV`` (+ ``env_vars``) as environment
+    variables; the project is importable there because it is installed in the venv.
     """
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
@@ -70,11 +83,70 @@ def init_ray(
         else:
             if num_cpus is None:
                 num_cpus = int(os.environ.get("RAGEN_RAY_NUM_CPUS", os.cpu_count() or 1))
-            ray.init(
-                num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
-                include_dashboard=False, **common,
-            )
+            _token_auth()
+            with _loopback_node():
+                # "local": a new cluster. Without it ray.init() joins whatever cluster another process
+                # registered in /tmp/ray, and then refuses num_cpus ("When connecting to an existing
+                # cluster, num_cpus and num_gpus must not be provided").
+                ray.init(
+                    address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
+                    include_dashboard=False, **common,
+                )
+            node_ip = ray.util.get_node_ip_address()
+            if not ipaddress.ip_address(node_ip).is_loopback:
+                ray.shutdown()
+                raise RuntimeError(f"the local Ray cluster came up on {node_ip}, not on 127.0.0.1: this Ray "
+                                   f"version ({ray.__version__}) needs a new way to keep it on loopback")
     return ray.cluster_resources()
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Start Ray's node on 127.0.0.1: then the GCS, raylet, agents and workers bind loopback only.
+
+    ``ray.init`` turns a loopback ``_node_ip_address`` into the machine's routable address, and its
+    processes listen on every interface unless the node address is loopback. Ray picks loopback
+    itself where multi-node clusters are off (``ray_constants.ENABLE_RAY_CLUSTER``, false on
+    macOS/Windows); that flag is read when the node starts, so it is switched off around the start.
+    ``init_ray`` checks the outcome (the node's address), so a Ray that renames the flag fails loudly.
+    """
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
+def _token_auth() -> None:
+    """Turn on Ray's token auth for a cluster we start, the token in ``<state>/ray/auth_token`` (0600).
+
+    An explicit ``RAY_AUTH_MODE`` wins. Ray would write its own default token to ``~/.ray``; the
+    state folder keeps it with the run (``RAY_AUTH_TOKEN_PATH=<state>/ray/auth_token ray status``
+    reaches the cluster). Ray reads the mode into its C++ config at import, hence the reload.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    path = Path(os.environ.setdefault(
+        "RAY_AUTH_TOKEN_PATH", str(Path(os.environ.get("RAGEN_STATE_DIR", ".state")).resolve() / "ray" / "auth_token")))
+    if not path.is_file() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+
+        Config.initialize("")
+        on = get_authentication_mode() == AuthenticationMode.TOKEN
+    except (ImportError, AttributeError):
+        on = False
+    if not on:  # a half-enabled mode (processes with a token, this driver without) cannot start at all
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        logging.getLogger(__name__).warning("Ray token auth could not be enabled; the cluster is on loopback only")
 
 
 def _get_all(refs: list[Any]) -> list[Any]:
@@ -108,23 +180,31 @@ class LearnerWorker:
 
     # -- set-up, called by LearnerGroup in this order
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it (called on rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        """This node's address and a port on it where rank 0's TCP store will listen (called on rank 0).
+
+        The socket is bound here, to the node's address only, and handed to the store: torch's
+        TCPStore would otherwise listen on every interface (and a port merely found free could be
+        taken before the store binds it).
+        """
         try:
             host = ray.util.get_node_ip_address()
         except Exception:  # not inside Ray
             host = "127.0.0.1"
-        return host, port
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        self._store_socket = socket.socket(family, socket.SOCK_STREAM)
+        self._store_socket.bind((host, 0))
+        self._store_socket.listen(128)
+        return host, self._store_socket.getsockname()[1]
 
     def init_process_group(self, host: str, port: int, backend: str, timeout_s: float = 300.0) -> None:
-        if host in ("127.0.0.1", "localhost"):
+        if ipaddress.ip_address(host).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        listen = getattr(self, "_store_socket", None) if self.rank == 0 else None
+        store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=timeout,
+                              master_listen_fd=listen.fileno() if listen is not None else None)
+        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
 
     def build(self) -> int:
         """Build the model and the learner (after the process group: rank 0's weights are broadcast)."""
@@ -159,10 +239,58 @@ class LearnerWorker:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if getattr(self, "_store_socket", None) is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
 
 #: The Ray actor class; resources are set per instance with ``.options`` (see ``LearnerGroup``).
 LearnerActor = ray.remote(LearnerWorker)
+
+
+class LearnerPlacementError(RuntimeError):
+    """The Ray cluster cannot hold the learner group (message: the keys to change and what it has)."""
+
+    user_error = True  # ragen_core.errors: the CLI prints the message as one line, no traceback
+
+
+def _cluster_summary() -> tuple[float, float, float, int, float]:
+    """(total CPUs, free CPUs, total GPUs, alive nodes, CPUs of the biggest node)."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    biggest = max((n.get("Resources", {}).get("CPU", 0.0) for n in nodes), default=0.0)
+    return total.get("CPU", 0.0), free.get("CPU", 0.0), total.get("GPU", 0.0), len(nodes), biggest
+
+
+def reserve_learners(cfg: LearnerConfig, world_size: int, timeout_s: float) -> Any:
+    """A ready placement group of ``world_size`` bundles of one learner's resources, or LearnerPlacementError.
+
+    A group that can never fit (more than the cluster has, or a bundle bigger than any node) fails
+    at once; one that does not fit now fails after ``timeout_s`` seconds of waiting for resources.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": float(cfg.num_cpus), **({"GPU": float(cfg.num_gpus)} if cfg.num_gpus > 0 else {})}
+    need_cpu, need_gpu = world_size * cfg.num_cpus, world_size * cfg.num_gpus
+
+    def error(why: str) -> LearnerPlacementError:
+        total_cpu, free_cpu, total_gpu, n_nodes, biggest = _cluster_summary()
+        return LearnerPlacementError(
+            f"cannot place trainer.learners={world_size} learner actors with learner.num_cpus={cfg.num_cpus:g}"
+            f" and learner.num_gpus={cfg.num_gpus:g} each: {why}; the Ray cluster has {total_cpu:g} CPUs "
+            f"({free_cpu:g} free, at most {biggest:g} on one node) and {total_gpu:g} GPUs on {n_nodes} node(s). "
+            "Lower trainer.learners or learner.num_cpus (the rollout actor takes trainer.rollout_cpus too), "
+            "or give Ray more (RAGEN_RAY_NUM_CPUS, or a cluster via RAY_ADDRESS)"
+        )
+
+    total_cpu, _, total_gpu, _, biggest = _cluster_summary()
+    if need_cpu > total_cpu or need_gpu > total_gpu or cfg.num_cpus > biggest:
+        raise error(f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs in all")
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+    if not group.wait(timeout_seconds=timeout_s):
+        remove_placement_group(group)
+        raise error(f"their {need_cpu:g} CPUs were not free within {timeout_s:g} s")
+    return group
 
 
 class LearnerGroup:
@@ -175,24 +303,34 @@ class LearnerGroup:
             Rank 0's weights are broadcast to the others, so it need not be deterministic.
         world_size: number of learner actors.
         backend: ``torch.distributed`` backend; default gloo on CPU, nccl on GPU.
+        placement_timeout_s: how long to wait for the group's resources to be free (see
+            ``reserve_learners``); a group the cluster can never hold fails without waiting.
     """
 
     def __init__(self, cfg: LearnerConfig, model_factory: ModelFactory, world_size: int = 1,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, placement_timeout_s: float = 30.0) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not ray.is_initialized():
             init_ray()
         self.cfg, self.world_size = cfg, world_size
         self.backend = backend or ("nccl" if cfg.num_gpus > 0 else "gloo")
+        self.actors: list[Any] = []
+        # All ranks or none: a rank started while its peer waits for a CPU sits at the rendezvous
+        # until the process-group timeout (300 s), then fails with "1/2 clients joined".
+        self.placement: Any = reserve_learners(cfg, world_size, placement_timeout_s)
         cfg_dict = cfg.model_dump(mode="json")
-        self.actors = [
-            LearnerActor.options(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus).remote(
-                cfg_dict, model_factory, rank, world_size
-            )
-            for rank in range(world_size)
-        ]
         try:
+            self.actors = [
+                LearnerActor.options(
+                    num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
+                                                                         placement_group_bundle_index=rank),
+                ).remote(cfg_dict, model_factory, rank, world_size)
+                for rank in range(world_size)
+            ]
             if world_size > 1:
                 host, port = ray.get(self.actors[0].rendezvous_address.remote())
                 _get_all([a.init_process_group.remote(host, port, self.backend) for a in self.actors])
@@ -218,14 +356,19 @@ class LearnerGroup:
         return _get_all([a.load_checkpoint.remote(str(path)) for a in self.actors])[0]
 
     def shutdown(self) -> None:
-        """Leave the process group and stop the actors."""
-        if not self.actors:
-            return
-        with contextlib.suppress(Exception):  # the actors are killed below anyway
-            ray.get([a.close.remote() for a in self.actors], timeout=60)
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
+        """Leave the process group, stop the actors and free their reserved resources."""
+        if self.actors:
+            with contextlib.suppress(Exception):  # the actors are killed below anyway
+                ray.get([a.close.remote() for a in self.actors], timeout=60)
+            for actor in self.actors:
+                ray.kill(actor)
+            self.actors = []
+        if self.placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):  # Ray may be gone already (interpreter exit)
+                remove_placement_group(self.placement)
+            self.placement = None
 
     def __enter__(self) -> LearnerGroup:
         return self

@@ -31,19 +31,29 @@ What a run holds:
   table in a tag whose length is limited), and paper-style plots (``log_plots``: PNG under
   ``plots/``).
 
-Failures are never silent: a ``log_batch`` that fails raises ``TrackingError`` naming the run, the
-step and the store. The pipeline writes each iteration's ``metrics.json`` into the run directory
-*before* logging, so after fixing the store a resumed run (same ``run_id``) re-logs the missing
-iterations: ``log_iteration`` skips the steps that are already there. Mid-run HTTP retries follow
-MLflow's own settings (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT``,
-``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``), which ride out a short server restart.
+Failures cost seconds, not minutes, and never stop training. For our client, MLflow's HTTP
+settings default to a short leash (``HTTP_DEFAULTS``: 2 retries, 4 s timeout, backoff factor 1;
+the environment wins): a server that is down costs about 3 s, one that hangs about 15 s. The first
+store call that fails during a run takes the Tracker *offline*: ``tracker.offline`` holds one line
+naming the store and the failing call, a warning is logged, and every later call (metrics, tags,
+artifacts, ``end``) returns at once without touching the network or raising. Nothing is lost: the
+pipeline writes each iteration's ``metrics.json`` into the run directory *before* logging, and
+``log_iteration`` skips the steps a run already has, so once the store is back a resumed run (same
+``run_id``) re-logs exactly the missing iterations; ``offline_message`` says so to the user.
+Starting a run still fails fast with ``TrackingError`` (nothing has been trained yet).
+
+A fresh SQLite store is created under an exclusive ``flock`` on ``<db>.lock``: MLflow builds the
+schema without one, and two runs starting at once in a new state folder would race (``table ...
+already exists``).
 
 Log from one process per run (SQLite locks under concurrent writers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -55,7 +65,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,6 +87,20 @@ TABLE_STEP_TAG = "ragen.transcripts_table_step"
 TRANSCRIPTS_TABLE = "transcripts.json"
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+
+#: MLflow's HTTP client settings for our runs, unless the environment sets them. MLflow's own
+#: defaults (7 retries, backoff factor 2, 120 s timeout) make one call to a dead server block for
+#: about 4 minutes; these give up after about 3 s (refused: attempts at 0, 0 and ~2.5 s) and, for a
+#: server that accepts but never answers, after 3 x 4 s + ~2.5 s, about 15 s. Idempotent retries
+#: are safe: a re-sent metric has the same timestamp, and MLflow ignores exact duplicates.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "4",
+}
+
+_log = logging.getLogger(__name__)
 
 
 class TrackingError(RuntimeError):
@@ -103,8 +127,9 @@ class TrackingConfig(BaseModel):
     )
     background: bool = Field(
         default=True,
-        description="log each iteration from a background thread while the next one trains (in order; an "
-        "error stops the run at the next iteration, and everything is flushed before the run ends)",
+        description="log each iteration from a background thread while the next one trains (in order, flushed "
+        "before the run ends; a failing store takes the tracker offline and training goes on, any other "
+        "error stops the run at the next iteration)",
     )
 
 
@@ -191,6 +216,53 @@ def _probe_http(uri: str, timeout_s: float) -> None:
     else:
         why = str(reason)
     raise TrackingError(f"MLflow tracking server {uri} unreachable ({why}); {fix}")
+
+
+@contextlib.contextmanager
+def store_lock(db: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<db>.lock`` (beside the SQLite file), across processes.
+
+    MLflow's SQLite tracking store creates and migrates its schema on first use without any lock,
+    so two processes opening a fresh store at once both run the migrations and one fails (``table
+    ... already exists``, ``duplicate column name``). The lock file is never deleted: removing it
+    while another process waits on it would let a third one lock a new file."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock (MLflow's own behaviour)
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _failure_reason(e: BaseException) -> tuple[bool, str]:
+    """(is the store unreachable, a short one-line reason) for an exception of an MLflow call."""
+    text = " ".join(f"{type(x).__name__}: {x}" for x in _chain(e))
+    timeout = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+    retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+    if "Connection refused" in text or any(isinstance(x, ConnectionRefusedError) for x in _chain(e)):
+        return True, f"connection refused, {retries} retries"
+    if "timed out" in text or "Timeout" in text:
+        return True, f"no answer within {timeout} s, {retries} retries"
+    if any(w in text for w in ("Connection reset", "Connection aborted", "RemoteDisconnected",
+                               "Max retries exceeded", "Failed to establish")):
+        return True, "connection lost"
+    first = " ".join(f"{type(e).__name__}: {e}".split())
+    return isinstance(e, ConnectionError | TimeoutError), _cut(first, 300)
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    x: BaseException | None = e
+    while x is not None and x not in out and len(out) < 10:
+        out.append(x)
+        x = x.__cause__ or x.__context__
+    return out
 
 
 def _ema(values: list[float], weight: float = 0.6) -> list[float]:
@@ -311,27 +383,36 @@ def render_plots(
 # ---------------------------------------------------------------------------- tracker
 class Tracker:
     """One MLflow run, from one process: ``start`` (or resume), ``log_iteration`` per iteration,
-    artifacts, tags, ``end``. Also a context manager that ends the run FAILED on an exception."""
+    artifacts, tags, ``end``. Also a context manager that ends the run FAILED on an exception.
+
+    After ``start``, a failing store never raises: the first failure sets ``offline`` (one line:
+    the store, the call, the reason) and every later call returns at once (see the module doc)."""
 
     def __init__(self, cfg: TrackingConfig, state_dir: str | os.PathLike[str]) -> None:
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        for key, value in HTTP_DEFAULTS.items():  # read by MLflow at each request
+            os.environ.setdefault(key, value)
         self.cfg = cfg
         self.state_dir = Path(state_dir)
         self.tracking_uri = resolve_tracking_uri(cfg, state_dir)
         self.run_id: str | None = None
+        #: Why this Tracker stopped talking to the store (None: it has not); set by the first
+        #: failed call after ``start``, cleared by the next ``start``.
+        self.offline: str | None = None
         self._logged_steps: set[int] = set()
         self._table_step: int | None = None
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
             _probe_http(self.tracking_uri, cfg.connect_timeout_s)
-        elif scheme == "sqlite":
-            db = self.tracking_uri[len("sqlite:///") :]
-            if db and db != ":memory:":
-                Path(db).parent.mkdir(parents=True, exist_ok=True)
+        db = self.tracking_uri[len("sqlite:///") :] if scheme == "sqlite" else ""
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
 
-        self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+        if db and db != ":memory:":
+            with store_lock(Path(db)):  # MlflowClient creates and migrates the schema here
+                self.client: MlflowClient = MlflowClient(tracking_uri=self.tracking_uri)
+        else:
+            self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
     # ------------------------------------------------------------------ run lifecycle
     def __enter__(self) -> Tracker:
@@ -343,6 +424,23 @@ class Tracker:
 
     def _store_error(self, what: str, e: Exception) -> TrackingError:
         return TrackingError(f"MLflow ({self.tracking_uri}) failed to {what}: {type(e).__name__}: {e}")
+
+    def _go_offline(self, what: str, e: BaseException) -> None:
+        """Record the first failure of the run and warn once; later calls skip the store."""
+        if self.offline is not None:
+            return
+        unreachable, reason = _failure_reason(e)
+        self.offline = (f"MLflow at {self.tracking_uri} {'unreachable' if unreachable else 'failing'} "
+                        f"since {what} ({reason})")
+        _log.warning("%s; training goes on without MLflow (the run directory keeps everything; resume the "
+                     "run once the store is back to log what is missing)", self.offline)
+
+    def offline_message(self, run_id: str, run_dir: str | os.PathLike[str]) -> str | None:
+        """What the user should do after a run whose tracking went offline (None: it did not)."""
+        if self.offline is None:
+            return None
+        return (f"{self.offline}; the run directory {Path(run_dir)} keeps every finished iteration; once the "
+                f"server is back, `ragen train --resume {run_id}` logs what is missing")
 
     def _artifact_location(self) -> str | None:
         if self._scheme in ("http", "https"):
@@ -386,6 +484,7 @@ class Tracker:
 
         if self.run_id is not None:
             raise RuntimeError(f"Tracker already holds run {self.run_id}; call end() first")
+        self.offline = None  # a new start tries the store again (and fails fast if it is still down)
         tags = {str(k): str(v) for k, v in (tags or {}).items()}
         try:
             if parent_run_id is not None:
@@ -433,14 +532,14 @@ class Tracker:
         except Exception as e:
             raise self._store_error(f"log params of run {run_id}", e) from e
         if changed:
-            import logging
-
-            logging.getLogger(__name__).warning(
+            _log.warning(
                 "resumed run %s: params changed since it started (kept the first values): %s", run_id, changed
             )
             tags[CHANGED_PARAMS_TAG] = ",".join(changed)
-        if tags:
-            self.set_tags(tags)
+        try:
+            self._log_tags(run_id, tags)
+        except Exception as e:
+            raise self._store_error(f"set tags on run {run_id}", e) from e
         return run_id
 
     def _require_run(self) -> str:
@@ -449,15 +548,19 @@ class Tracker:
         return self.run_id
 
     def end(self, status: RunStatus = "FINISHED") -> None:
-        """Mark the run FINISHED, FAILED or KILLED and release it (the Tracker can start another)."""
+        """Mark the run FINISHED, FAILED or KILLED and release it (the Tracker can start another).
+        Offline (or failing now): the MLflow run stays RUNNING until a resumed run ends it."""
         if status not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"status must be FINISHED, FAILED or KILLED, not {status!r}")
+        if self.offline is not None:
+            self.run_id = None
+            return
         run_id = self._require_run()
+        self.run_id = None
         try:
             self.client.set_terminated(run_id, status=status)
         except Exception as e:
-            raise self._store_error(f"end run {run_id}", e) from e
-        self.run_id = None
+            self._go_offline(f"end run {run_id} as {status}", e)
 
     # ------------------------------------------------------------------ metrics, tags
     def log_iteration(self, step: int, metrics: Mapping[str, Any]) -> bool:
@@ -467,7 +570,7 @@ class Tracker:
 
         run_id = self._require_run()
         step = int(step)
-        if step in self._logged_steps:
+        if step in self._logged_steps or self.offline is not None:
             return False
         ts = int(time.time() * 1000)
         values: dict[str, float] = {}
@@ -495,15 +598,11 @@ class Tracker:
             for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
                 self.client.log_batch(run_id, metrics=chunk, synchronous=True)
         except Exception as e:
-            raise TrackingError(
-                f"MLflow ({self.tracking_uri}) failed to log iteration {step} of run {run_id} "
-                f"({len(batch)} metrics): {type(e).__name__}: {e}. The iteration's metrics.json in the run "
-                "directory keeps them; fix the store and resume the run to re-log them."
-            ) from e
+            # Not marked as logged: the iteration's metrics.json stays the source, re-logged on resume.
+            self._go_offline(f"log iteration {step} of run {run_id}", e)
+            return False
         if skipped:
-            import logging
-
-            logging.getLogger(__name__).warning("step %d: skipped non-finite metrics %s", step, skipped)
+            _log.warning("step %d: skipped non-finite metrics %s", step, skipped)
         self._logged_steps.add(step)
         return True
 
@@ -514,15 +613,20 @@ class Tracker:
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         """Set (or overwrite) run tags, 100 per batch; values cut at 8,000 characters."""
+        run_id = self._require_run()
+        if self.offline is not None:
+            return
+        try:
+            self._log_tags(run_id, tags)
+        except Exception as e:
+            self._go_offline(f"set tags on run {run_id}", e)
+
+    def _log_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        run_id = self._require_run()
         items = [RunTag(metric_key(k), _cut(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()]
-        try:
-            for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
-                self.client.log_batch(run_id, tags=chunk, synchronous=True)
-        except Exception as e:
-            raise self._store_error(f"set tags on run {run_id}", e) from e
+        for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(run_id, tags=chunk, synchronous=True)
 
     def history(self, keys: Iterable[str] | None = None) -> dict[str, list[tuple[int, float]]]:
         """Metric series ``{key: [(step, value), ...]}`` sorted by step (one value per step: the last
@@ -556,7 +660,7 @@ class Tracker:
     def log_artifact(self, path: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Upload one file (no-op when ``log_artifacts`` is off)."""
         run_id = self._require_run()
-        if not self.cfg.log_artifacts:
+        if not self.cfg.log_artifacts or self.offline is not None:
             return
         p = Path(path)
         if not p.is_file():
@@ -564,12 +668,12 @@ class Tracker:
         try:
             self.client.log_artifact(run_id, str(p), artifact_path)
         except Exception as e:
-            raise self._store_error(f"upload {p} to run {run_id}", e) from e
+            self._go_offline(f"upload {p.name} to run {run_id}", e)
 
     def log_artifacts(self, local_dir: str | os.PathLike[str], artifact_path: str | None = None) -> None:
         """Upload a folder's contents under ``artifact_path`` (no-op when ``log_artifacts`` is off)."""
         run_id = self._require_run()
-        if not self.cfg.log_artifacts:
+        if not self.cfg.log_artifacts or self.offline is not None:
             return
         p = Path(local_dir)
         if not p.is_dir():
@@ -577,7 +681,7 @@ class Tracker:
         try:
             self.client.log_artifacts(run_id, str(p), artifact_path)
         except Exception as e:
-            raise self._store_error(f"upload {p} to run {run_id}", e) from e
+            self._go_offline(f"upload {p} to run {run_id}", e)
 
     def log_transcripts(self, rows: list[dict[str, Any]], step: int, append_table: bool = True) -> None:
         """Keep the first ``transcripts_per_iteration`` rows of iteration ``step``: as
@@ -586,7 +690,7 @@ class Tracker:
         that table already has this step."""
         run_id = self._require_run()
         n = self.cfg.transcripts_per_iteration
-        if not self.cfg.log_artifacts or n == 0 or not rows:
+        if not self.cfg.log_artifacts or n == 0 or not rows or self.offline is not None:
             return
         rows = [dict(r) for r in rows[:n]]
         step = int(step)
@@ -594,7 +698,7 @@ class Tracker:
             f = Path(tmp) / f"iter_{step:04d}.json"
             f.write_text(json.dumps({"step": step, "rows": rows}, indent=1, default=str, ensure_ascii=False))
             self.log_artifact(f, "transcripts")
-        if not append_table or (self._table_step is not None and step <= self._table_step):
+        if self.offline is not None or not append_table or (self._table_step is not None and step <= self._table_step):
             return
         cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
         names = list(dict.fromkeys(k for r in rows for k in r))
@@ -609,7 +713,8 @@ class Tracker:
                 warnings.simplefilter("ignore", FutureWarning)
                 self.client.log_table(run_id, data=cols, artifact_file=TRANSCRIPTS_TABLE)
         except Exception as e:
-            raise self._store_error(f"append transcripts of step {step} to run {run_id}", e) from e
+            self._go_offline(f"append transcripts of step {step} to run {run_id}", e)
+            return
         self._table_step = step
         self.set_tags({TABLE_STEP_TAG: str(step)})
 
@@ -622,7 +727,13 @@ class Tracker:
         """Draw the paper-style curves from this run's metric history into ``out_dir`` (see
         ``render_plots``) and upload them under ``plots/``. Returns the PNG paths."""
         run_id = self._require_run()
-        hist = self._history(run_id, None)
+        if self.offline is not None:
+            return []
+        try:
+            hist = self._history(run_id, None)
+        except TrackingError as e:
+            self._go_offline(f"read the metric history of run {run_id}", e.__cause__ or e)
+            return []
         paths = render_plots(hist, out_dir, markers=markers, title=title)
         for p in paths:
             self.log_artifact(p, "plots")
@@ -634,9 +745,10 @@ class BackgroundLog:
     """Runs tracking calls on one worker thread, in submission order, off the training loop's path.
 
     An iteration's MLflow calls (metrics, the Parquet artifact, transcripts) then overlap the next
-    iteration instead of delaying it. Nothing is lost silently: the first failure is raised by the
-    next ``submit`` and by every ``flush`` (and nothing queued after it runs), and the iteration's
-    ``metrics.json`` is already on disk, so a resumed run re-logs what did not reach the store.
+    iteration instead of delaying it. A failing store raises nothing here: the ``Tracker`` goes
+    offline and training goes on (its ``metrics.json`` files are on disk, so a resumed run re-logs
+    what did not reach the store). Any other error (a bug: a metric that is not a number) is
+    raised by the next ``submit`` and by every ``flush``, and nothing queued after it runs.
     ``enabled=False`` runs every call at once, in the caller's thread.
     """
 

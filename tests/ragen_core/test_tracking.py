@@ -194,28 +194,48 @@ def test_nested_sweep_runs(state_dir: Path):
         make(state_dir, experiment="sweep").start("orphan", {}, parent_run_id="f" * 32)
 
 
-def test_failed_log_batch_raises_and_can_be_retried(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(state_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
     tr = make(state_dir)
-    tr.start("flaky", {})
+    run_id = tr.start("flaky", {})
+    assert tr.log_iteration(4, {"a": 4.0})
     real = tr.client.log_batch
 
     def boom(*a, **k):
         raise ConnectionError("server went away")
 
     monkeypatch.setattr(tr.client, "log_batch", boom)
-    with pytest.raises(TrackingError, match=r"iteration 5 .*metrics\.json"):
-        tr.log_iteration(5, {"a": 1.0})
-    monkeypatch.setattr(tr.client, "log_batch", real)
-    assert tr.log_iteration(5, {"a": 1.0})  # not marked as logged by the failed attempt
-    with pytest.raises(TypeError, match="not a number"):
-        tr.log_iteration(6, {"a": "high"})
-    with pytest.raises(ValueError, match="both map"):
-        tr.log_iteration(7, {"p@1": 1.0, "p_at_1": 2.0})
+    assert tr.log_iteration(5, {"a": 5.0}) is False  # no raise: training goes on
+    assert tr.offline == f"MLflow at {tr.tracking_uri} unreachable since log iteration 5 of run {run_id} " \
+                         "(ConnectionError: server went away)"
+    monkeypatch.setattr(tr.client, "log_batch", real)  # the store is back, yet an offline Tracker no longer tries it
+    assert tr.log_iteration(6, {"a": 6.0}) is False
+    tr.set_tags({"t": "x"})
     tr.end()
+    c = client(state_dir)
+    assert c.get_run(run_id).info.status == "RUNNING" and "t" not in c.get_run(run_id).data.tags
+    msg = tr.offline_message("r1", state_dir / "runs" / "r1")
+    assert msg is not None and msg.startswith(tr.offline) and "`ragen train --resume r1`" in msg
+
+    again = make(state_dir)  # the resumed run: steps 4..6 from the run directory, 4 is skipped
+    again.start("flaky", {}, run_id=run_id)
+    assert [again.log_iteration(k, {"a": float(k)}) for k in (4, 5, 6)] == [False, True, True]
+    again.end()
+    assert sorted(m.step for m in c.get_metric_history(run_id, ITERATION_KEY)) == [4, 5, 6]
+    assert c.get_run(run_id).info.status == "FINISHED" and again.offline_message("r1", state_dir) is None
+
+    bad = make(state_dir)  # caller bugs still raise (they are not store failures)
+    bad.start("bugs", {})
+    with pytest.raises(TypeError, match="not a number"):
+        bad.log_iteration(6, {"a": "high"})
+    with pytest.raises(ValueError, match="both map"):
+        bad.log_iteration(7, {"p@1": 1.0, "p_at_1": 2.0})
+    assert bad.offline is None
+    bad.end()
 
 
-def test_background_log_keeps_order_and_surfaces_the_first_error(state_dir: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch):
+def test_background_log_keeps_order_and_survives_a_failing_store(state_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch):
     tr = make(state_dir)
     run_id = tr.start("background", {})
     bg = BackgroundLog()
@@ -235,17 +255,24 @@ def test_background_log_keeps_order_and_surfaces_the_first_error(state_dir: Path
 
     monkeypatch.setattr(tr.client, "log_batch", boom)
     bg.submit(tr.log_iteration, 6, {"a": 6.0})
-    bg.submit(tr.log_iteration, 7, {"a": 7.0})  # queued behind the failing call: must not run
+    bg.submit(tr.log_iteration, 7, {"a": 7.0})  # queued behind the failing call: must not be logged
     assert entered.wait(5)
     monkeypatch.setattr(tr.client, "log_batch", real)  # the store is back, yet 7 must not be logged
     gate.set()
-    with pytest.raises(TrackingError, match="iteration 6"):
-        bg.flush()
-    with pytest.raises(TrackingError, match="iteration 6"):  # sticky: every later call says so
-        bg.submit(tr.log_iteration, 8, {"a": 8.0})
+    bg.flush()  # a store failure is not raised: the Tracker went offline
+    bg.submit(tr.log_iteration, 8, {"a": 8.0})
     bg.close()
-    assert tr.logged_steps == {1, 2, 3, 4, 5}  # 7 was skipped, so nothing is logged out of order
+    assert tr.offline is not None and "log iteration 6" in tr.offline
+    assert tr.logged_steps == {1, 2, 3, 4, 5}  # nothing after the failure, so nothing out of order
     tr.end()
+
+    bugs = BackgroundLog()  # any other error is still raised by the next submit and every flush
+    bugs.submit(int, "high")
+    with pytest.raises(ValueError, match="high"):
+        bugs.flush()
+    with pytest.raises(ValueError, match="high"):
+        bugs.submit(print, "never runs")
+    bugs.close()
 
     ran = []
     sync = BackgroundLog(enabled=False)

@@ -1,0 +1,59 @@
+"""Child servers die with their parent: a SIGKILLed ``ragen train`` leaves no process behind, and
+``ragen ui`` does not outlive one of its two servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability import procs
+
+
+@pytest.mark.parametrize("backend", ["ray"])
+def test_sigkilled_train_leaves_no_process(backend: str, tmp_path: Path) -> None:
+    """RAGEN_CRASH_AT makes the run SIGKILL itself in iteration 2: its Prefect server (and with
+    trainer.backend=ray the GCS, raylet, agents and workers) must be gone within a few seconds."""
+    marker = procs.new_marker()
+    proc, out, err = procs.launch(procs.tiny_train_args(tmp_path, f"trainer.backend={backend}"), tmp_path, marker,
+                                  extra_env={"RAGEN_CRASH_AT": "learn:2"})
+    try:
+        code = proc.wait(timeout=600)
+        assert code == -9, out.read_text()[-2000:] + err.read_text()[-3000:]
+        killed = time.monotonic()
+        left = procs.wait_gone(marker, timeout=10)
+        print(f"tree gone {time.monotonic() - killed:.1f} s after the SIGKILL")
+        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+    finally:
+        procs.kill_tree(marker)
+
+
+def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
+    """`ragen ui` with both servers up; the MLflow server is killed: the command stops the Prefect
+    server and exits non-zero naming MLflow (before the fix it kept running with Prefect alone)."""
+    marker = procs.new_marker()
+    mlflow_port, prefect_port = procs.free_port(), procs.free_port()
+    proc, out, err = procs.launch(["ui", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
+                                  tmp_path, marker)
+    try:
+        deadline = time.monotonic() + 240
+        while not ("MLflow UI:" in out.read_text() and "Prefect server:" in out.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text() + err.read_text()[-3000:]
+            time.sleep(0.5)
+        assert f"http://127.0.0.1:{mlflow_port}" in out.read_text()
+        mlflow = [pid for pid, cmd in procs.tree(marker).items() if "mlflow server" in cmd and pid != proc.pid]
+        assert mlflow  # the `mlflow server` command `ragen ui` started (its workers go with it)
+        for pid in mlflow:
+            os.kill(pid, signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        error = " ".join(err.read_text().split())
+        assert code == 1, error[-3000:]
+        assert "the MLflow UI exited" in error and "stopped the Prefect server too" in error, error[-3000:]
+        left = procs.wait_gone(marker, timeout=10)
+        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+    finally:
+        proc.kill()
+        procs.kill_tree(marker)

@@ -1,0 +1,96 @@
+"""The ray backend's own cluster: never another process's cluster; learner groups placed all at once or not at all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from ragen_core.actors import LearnerGroup, LearnerPlacementError, init_ray
+from tests.ragen_core.test_learner import make_cfg
+from tests.reliability import procs
+
+RAY_BIN = Path(sys.executable).parent / "ray"
+
+
+@pytest.fixture
+def no_ray():
+    """This test starts Ray itself: none may run in this process before, none is left after."""
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def other_cluster(tmp_path: Path):
+    """A cluster started by someone else in a shell (``ray start --head``), registered in /tmp/ray as
+    the machine's current cluster, stopped afterwards by killing its processes (not ``ray stop``,
+    which would stop every Ray on the machine)."""
+    from ray._common.utils import get_ray_address_file
+
+    marker = procs.new_marker()
+    port = procs.free_port()
+    env = {**os.environ, **marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    # `ray start` registers its cluster as the machine's current one; killing it leaves that entry
+    # behind, and any other ray.init() here would try to join the dead cluster: put the old one back.
+    registry = Path(get_ray_address_file(None))
+    before = registry.read_text() if registry.is_file() else None
+    try:
+        subprocess.run([str(RAY_BIN), "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                        "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats"],
+                       env=env, check=True, capture_output=True, timeout=180)
+        assert registry.read_text().strip().endswith(f":{port}")  # the case of the issue: it is "current"
+        yield port, marker
+    finally:
+        procs.kill_tree(marker)
+        if before is None:
+            registry.unlink(missing_ok=True)
+        else:
+            registry.write_text(before)
+
+
+def test_starts_its_own_cluster_next_to_another(no_ray, other_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the fix ray.init() joined the other cluster and failed: "When connecting to an existing
+    cluster, num_cpus and num_gpus must not be provided"."""
+    other_port, other_marker = other_cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    resources = init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
+    gcs = ray.get_runtime_context().gcs_address
+    assert not gcs.endswith(f":{other_port}"), f"joined the other cluster at {gcs}"
+    assert resources["CPU"] == 2 and len(ray.nodes()) == 1
+    assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+    ray.shutdown()
+    assert procs.tree(other_marker), "stopping our cluster stopped the other one"
+
+
+def test_learner_group_the_cluster_cannot_hold_fails_at_once(no_ray) -> None:
+    init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
+    t0 = time.monotonic()
+    with pytest.raises(LearnerPlacementError) as info:
+        LearnerGroup(make_cfg(), "no-model-needed", world_size=3)
+    message = str(info.value)
+    print(message)
+    assert time.monotonic() - t0 < 10
+    for part in ("trainer.learners=3", "learner.num_cpus=1", "need 3 CPUs", "has 2 CPUs"):
+        assert part in message, part
+    assert ray.available_resources().get("CPU") == 2  # nothing was left reserved
+
+
+def test_learner_group_waits_briefly_for_busy_cpus_then_fails(no_ray) -> None:
+    """The issue's case: the cluster has the CPUs, but another actor (the rollout worker) holds one,
+    so one of two learners can never start; it used to wait 300 s at the rendezvous."""
+    init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
+    holder = ray.remote(num_cpus=1)(type("Holder", (), {"ping": lambda self: 1})).remote()
+    assert ray.get(holder.ping.remote()) == 1
+    t0 = time.monotonic()
+    with pytest.raises(LearnerPlacementError, match=r"trainer\.learners=2 .* not free within 2 s.*\(1 free"):
+        LearnerGroup(make_cfg(), "no-model-needed", world_size=2, placement_timeout_s=2)
+    assert time.monotonic() - t0 < 15
+    ray.kill(holder)
