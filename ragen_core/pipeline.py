@@ -339,7 +339,7 @@ def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLik
     except OSError as exc:
         raise OSError(f"cannot create run directory {run.root}: {exc.strerror}; check trainer.run_root "
                       "is writable and the disk has space") from exc
-    dump_config(cfg, run.config_path)
+    record(dump_config(cfg, run.config_path))
     run.update_info(run_id=run_id, config_hash=chash, created=time.time())
     _index_add(run_id, run.root.resolve())
     return run
@@ -354,7 +354,7 @@ def _index_add(run_id: str, root: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
         index[run_id] = str(root)
-        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True))
+        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True), record_digest=False)
 
 
 def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:

@@ -114,13 +114,7 @@ def test_rerun_rollout_names_a_truncated_stored_file(reference: tuple[Path, Path
     assert recomputed.read_bytes() == (reference[1] / "iter_0003" / "rollouts.parquet").read_bytes()
 
 
-@pytest.mark.parametrize("name", [
-    "run.json",
-    "config.yaml",  # not recorded yet (create_run writes it): its parse error must name it
-    pytest.param("iter_0001/metrics.json",
-                 marks=pytest.mark.xfail(strict=True, reason="flows/train.py reads metrics.json with json.loads; "
-                                                             "it must use RunDir.read_json (lead)")),
-])
+@pytest.mark.parametrize("name", ["run.json", "config.yaml", "iter_0001/metrics.json"])
 def test_resume_names_a_damaged_run_file(name: str, reference: tuple[Path, Path], tmp_path: Path) -> None:
     """Truncated: before, a JSON / YAML parser's error naming no file."""
     state, _ = reference
