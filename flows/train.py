@@ -110,7 +110,7 @@ def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
 def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: dict[str, float]) -> None:
     """Log one step's artifacts, then its metrics with the step's ``iteration`` marker (idempotent per
     step): a tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
-    if k in tracker.logged_steps():
+    if k in tracker.logged_steps:
         return
     if cfg.tracking.log_artifacts:
         if k > 0 and run.rollouts(k).exists():
