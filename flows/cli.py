@@ -378,7 +378,10 @@ def train(
                                      resume=resume, run_name=name, backend=backend))  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
-    evals = {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "eval").glob("step_*.json"))}
+    from ragen_core.pipeline import RunDir
+
+    run = RunDir(run_dir)
+    evals = {p.stem: run.read_json(p) for p in sorted((run_dir / "eval").glob("step_*.json"))}
     first, last = (next(iter(evals)), list(evals)[-1]) if evals else (None, None)
     if first is not None:
         pick = {k: v for k, v in evals[first].items() if k.endswith("/success")}

@@ -14,7 +14,8 @@ from pydantic import BaseModel, Field
 from flows.settings import configure_environment
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.pipeline import RunDir, atomic_write_text, find_run
+from ragen_core.learner import verify_checkpoint
+from ragen_core.pipeline import RunDir, atomic_write_text, check_init_policy, find_run
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.trajectory import write_table
 
@@ -88,6 +89,10 @@ def resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig, int | None, s
     if k not in steps:
         fix = f"; evaluate one of them, e.g. {name}@{steps[-1]}" if steps else ""
         raise EvaluateError(f"run {run.root.name} has no checkpoint at step {k}; {have}{fix}")
+    if k == 0:  # the weights are checked against their recorded digests before anything loads them
+        check_init_policy(run)
+    else:
+        verify_checkpoint(run.checkpoint(k))
     return run.policy_after(k), cfg.agent, cfg.rollout.max_new_tokens, f"{run.root.name}@{k}"
 
 

@@ -13,7 +13,6 @@ duplicated or double-logged.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pydantic import BaseModel, Field
 from flows.settings import configure_environment
 from ragen_core import pipeline
 from ragen_core.config import RagenConfig, config_hash, dump_config, flatten, load_config
+from ragen_core.integrity import record
 from ragen_core.monitor import EchoTrapMonitor
 from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
 from ragen_core.resume import resume_config
@@ -110,7 +110,7 @@ def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
 def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: dict[str, float]) -> None:
     """Log one step's artifacts, then its metrics with the step's ``iteration`` marker (idempotent per
     step): a tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
-    if k in tracker.logged_steps():
+    if k in tracker.logged_steps:
         return
     if cfg.tracking.log_artifacts:
         if k > 0 and run.rollouts(k).exists():
@@ -128,7 +128,7 @@ def _best_step(run: RunDir, last: int) -> int | None:
     for step in range(0, last + 1):
         f = run.eval_metrics_file(step)
         if f.exists():
-            value = json.loads(f.read_text()).get("val-env/success", -1.0)
+            value = run.read_json(f).get("val-env/success", -1.0)
             if value > best_value:
                 best, best_value = step, value
     return best
@@ -170,7 +170,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
             run = create_run(cfg, name)
             lock = RunLock(run.root).acquire()
         elif changes:
-            dump_config(cfg, run.config_path)
+            record(dump_config(cfg, run.config_path))
             run.update_info(resumes=[*run.info().get("resumes", []),
                                      {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}}])
             log.info("resumed with %s", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items()))
@@ -210,9 +210,9 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         last = run.last_complete()
         # Re-log what a killed run finished but did not log (log_iteration skips logged steps).
         if run.eval_metrics_file(0).exists():
-            _log_step(tracker, run, cfg, 0, json.loads(run.eval_metrics_file(0).read_text()))
+            _log_step(tracker, run, cfg, 0, run.read_json(run.eval_metrics_file(0)))
         for k in range(1, last + 1):
-            m = json.loads(run.metrics_file(k).read_text())
+            m = run.read_json(run.metrics_file(k))
             monitor.update(k, m)
             _log_step(tracker, run, cfg, k, m)
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
@@ -256,7 +256,7 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
             if best is not None:
                 tracker.log_artifacts(run.policy_after(best), "model/best")
         status = "FINISHED"
-        final = json.loads(run.metrics_file(k).read_text()) if k > 0 else {}
+        final = run.read_json(run.metrics_file(k)) if k > 0 else {}
         return {"run_id": info["run_id"], "run_dir": str(run.root), "mlflow_run_id": mlflow_run,
                 "last_iteration": k, "best_step": best, "metrics": final}
     finally:

@@ -65,6 +65,8 @@ from ragen_core.algorithms import (
     whiten,
 )
 from ragen_core.faults import crash_point
+from ragen_core.integrity import sha256_file
+from ragen_core.storage import write_error
 
 __all__ = [
     "AlgorithmConfig",
@@ -75,7 +77,9 @@ __all__ = [
     "LoraConfig",
     "OptimConfig",
     "ValueModel",
+    "manifest_digest",
     "seed_everything",
+    "verify_checkpoint",
 ]
 
 CHECKPOINT_FORMAT = 1
@@ -88,6 +92,8 @@ class BadBatchError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this learner (missing, corrupt, or another model)."""
+
+    user_error = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -978,7 +984,9 @@ class Learner:
         Layout: ``policy/`` (Hugging Face ``save_pretrained``, safetensors; the adapter with LoRA),
         ``critic.safetensors``, ``optim.pt`` (optimisers, schedulers, counters), ``rng.pt`` (torch,
         CUDA, numpy and Python RNG states), ``manifest.json`` (format, iteration, model signature,
-        learner config, ``extra``). An existing ``path`` is replaced only once the new one is complete.
+        learner config, ``extra``, the sha256 of every other file under ``files`` and its own under
+        ``manifest_sha256``). An existing ``path`` is replaced only once the new one is complete.
+        An ``OSError`` (full disk) is raised as ``StorageWriteError`` naming the checkpoint.
         """
         path = Path(path)
         tmp = path.parent / f"{path.name}.tmp-{os.getpid()}"
@@ -999,6 +1007,8 @@ class Learner:
             }
             torch.save(optim_state, tmp / "optim.pt")
             torch.save(_rng_state(), tmp / "rng.pt")
+            # One hash per written file, before the manifest that records them (load checks them all).
+            files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             manifest = {
                 "format": CHECKPOINT_FORMAT,
                 "iteration": int(iteration),
@@ -1007,17 +1017,22 @@ class Learner:
                 "learner_config": self.cfg.model_dump(mode="json"),
                 "extra": extra or {},
                 "saved_at": time.time(),
+                "files": files,
             }
-            (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            manifest = json.loads(json.dumps(manifest, default=str))  # what load_checkpoint will read back
+            manifest["manifest_sha256"] = manifest_digest(manifest)
+            (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
             _fsync_tree(tmp)
             crash_point("checkpoint", int(iteration))
             if path.exists():
                 os.replace(path, old)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not path.exists():
                 os.replace(old, path)
+            if isinstance(exc, OSError):
+                raise write_error(path, exc, "the checkpoint") from exc
             raise
         shutil.rmtree(old, ignore_errors=True)
         return path
@@ -1025,18 +1040,13 @@ class Learner:
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore a ``save_checkpoint`` directory; returns ``{"iteration", "global_step", "extra"}``.
 
-        Everything is read and checked before anything is changed: a checkpoint of another model
-        (architecture, config or parameter shapes), or a missing / corrupt file, raises
-        ``CheckpointError`` and leaves this learner as it was.
+        Everything is read and checked before anything is changed: a file whose sha256 differs from
+        the manifest's (checked first, see :func:`verify_checkpoint`), a checkpoint of another model
+        (architecture, config or parameter shapes), or a missing / unreadable file raises
+        ``CheckpointError`` naming it and leaves this learner as it was.
         """
         path = Path(path)
-        manifest_file = path / _MANIFEST
-        if not manifest_file.is_file():
-            raise CheckpointError(f"{path}: not a learner checkpoint (no {_MANIFEST})")
-        try:
-            manifest = json.loads(manifest_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{manifest_file}: corrupt manifest: {exc}") from exc
+        manifest = verify_checkpoint(path)
         if manifest.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}")
         mine, theirs = self._signature(), manifest.get("signature", {})
@@ -1047,18 +1057,13 @@ class Learner:
                 f"{path}: checkpoint from another model or learner setup ({details}). Load it into a "
                 "learner built from the same model (and critic / LoRA settings), or start a new run"
             )
-        try:
-            policy_sd = self._read_policy(path / "policy")
-            critic_sd = None
-            if self.critic is not None:
-                critic_sd = safetensors.torch.load_file(str(path / "critic.safetensors"))
-                _check_state(self.critic, critic_sd, path / "critic.safetensors")
-            optim_state = torch.load(path / "optim.pt", map_location="cpu", weights_only=True)
-            rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"{path}: cannot read checkpoint files: {exc}") from exc
+        policy_sd = self._read_policy(path / "policy")
+        critic_sd = None
+        if self.critic is not None:
+            critic_sd = _read_file(path / "critic.safetensors", lambda f: safetensors.torch.load_file(str(f)), path)
+            _check_state(self.critic, critic_sd, path / "critic.safetensors")
+        optim_state = _read_file(path / "optim.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
+        rng = _read_file(path / "rng.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
         _check_optim(self.actor_optim, optim_state["actor_optim"], "actor")
         if self.critic_optim is not None:
             _check_optim(self.critic_optim, optim_state["critic_optim"], "critic")
@@ -1090,6 +1095,8 @@ class Learner:
             sd = load_weight_files(directory)
         except FileNotFoundError as exc:
             raise CheckpointError(f"{directory}: no safetensors weights") from exc
+        except ValueError as exc:  # models.load_weight_files names the unreadable file
+            raise CheckpointError(str(exc)) from exc
         if self.lora:
             import peft
 
@@ -1104,6 +1111,68 @@ class Learner:
 # --------------------------------------------------------------------------------------------------
 # Checkpoint helpers
 # --------------------------------------------------------------------------------------------------
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of the manifest's content without its own digest (canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's manifest, after checking it and every file it lists against their sha256.
+
+    Raises ``CheckpointError`` naming the first missing or damaged file. Checkpoints written before
+    digests existed (no ``files`` in the manifest) pass unchecked; reading them still names a file
+    that cannot be read.
+    """
+    path = Path(path)
+    manifest_file = path / _MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{path}: not a learner checkpoint (no {_MANIFEST})")
+    fix = f"Nothing was loaded. {_checkpoint_repair(path)}"
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{manifest_file}: corrupt manifest: {exc}. {fix}") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_file}: corrupt manifest: not a JSON object. {fix}")
+    which = f"the checkpoint of iteration {manifest.get('iteration')}"
+    if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_digest(manifest):
+        raise CheckpointError(f"{manifest_file}: corrupt manifest: its content does not match its own "
+                              f"manifest_sha256, so {which} cannot be trusted. {fix}")
+    for rel, expected in (manifest.get("files") or {}).items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing, although {manifest_file} lists it: {which} is incomplete. {fix}")
+        actual = sha256_file(f)
+        if actual != expected:
+            raise CheckpointError(
+                f"{f}: corrupt file: its sha256 {actual[:12]}... differs from {expected[:12]}... recorded in "
+                f"{manifest_file} when {which} was written. {fix}"
+            )
+    return manifest
+
+
+def _checkpoint_repair(path: Path) -> str:
+    """The fix for a damaged checkpoint. An iteration's checkpoint in a run directory
+    (``<run>/iter_K/checkpoint``) is recomputed by resuming from before iteration K: its learn stage
+    sees its damaged output and runs again from checkpoint K - 1 (deterministically on CPU)."""
+    folder = path.parent.name
+    if path.name == "checkpoint" and folder.startswith("iter_") and folder[5:].isdigit():
+        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+    return f"Restore {path} from a copy, or start a new run"
+
+
+def _read_file(f: Path, read: Any, checkpoint: Path) -> Any:
+    """``read(f)``, with any failure raised as ``CheckpointError`` naming ``f``."""
+    try:
+        return read(f)
+    except Exception as exc:
+        raise CheckpointError(f"{f}: cannot read this checkpoint file (truncated or corrupt?): "
+                              f"{type(exc).__name__}: {exc}. Nothing was loaded. {_checkpoint_repair(checkpoint)}"
+                              ) from exc
 
 
 def _tied_groups(module: nn.Module) -> dict[str, list[str]]:

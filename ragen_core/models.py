@@ -388,16 +388,24 @@ def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Pat
 def load_weight_files(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a folder's ``*.safetensors`` files (a saved policy, possibly sharded).
 
-    Raises FileNotFoundError when the folder holds none.
+    Raises FileNotFoundError when the folder holds none, and ``CorruptFileError`` naming the file
+    when one cannot be read (truncated, overwritten): safetensors' own error names no file.
     """
+    import safetensors
     import safetensors.torch
+
+    from ragen_core.integrity import CorruptFileError
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory}: no *.safetensors policy weights")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(safetensors.torch.load_file(str(f)))
+        try:
+            weights.update(safetensors.torch.load_file(str(f)))
+        except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CorruptFileError(f"{f}: not a readable safetensors file (truncated or corrupt?): {exc}. "
+                                   f"Restore {Path(directory)} from a copy") from exc
     return weights
 
 

@@ -30,13 +30,20 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+import yaml
 
 from ragen_core import stage_record
 from ragen_core.algorithms import group_std_stats, select_groups
-from ragen_core.config import RagenConfig, config_hash, dump_config, load_config
+from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, load_config
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
+from ragen_core.integrity import CorruptFileError, record, record_tree, verify, verify_tree
+from ragen_core.storage import write_error
 from ragen_core.trajectory import read_table, to_token_batch, write_table
+
+
+class RunFileError(RagenError, ValueError):
+    """A file of a run directory that cannot be read (not JSON, not a config); names the file and the fix."""
 
 
 # ------------------------------------------------------------------------------------ run dir
@@ -60,7 +67,41 @@ class RunDir:
         return self.root / "init_policy"
 
     def info(self) -> dict[str, Any]:
-        return json.loads(self.info_path.read_text()) if self.info_path.exists() else {}
+        return self.read_json(self.info_path) if self.info_path.exists() else {}
+
+    def read_json(self, path: str | os.PathLike[str]) -> Any:
+        """A JSON file of this run, checked against the digest recorded when it was written; a
+        corrupt or unparsable file raises ``CorruptFileError`` / ``RunFileError`` naming it."""
+        path = Path(path)
+        fix = self._repair(path)
+        verify(path, fix=fix)
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise RunFileError(f"{path}: missing. {fix}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{path}: not valid JSON ({exc}). {fix}") from exc
+
+    def _repair(self, path: Path) -> str:
+        """What a user can do about a damaged file of this run (said in the error). Files of an
+        iteration are recomputed by resuming from before it: its stages replay what is damaged
+        (``stage_record``) and reuse what is intact."""
+        if path == self.info_path:
+            return ("Restore it from a copy; it holds the run's identity (run_id, config_hash, mlflow_run_id), "
+                    "which cannot be recomputed")
+        if path == self.config_path:
+            return "Restore it from a copy (the run's MLflow artifacts hold config.yaml), or start a new run"
+        top = path.relative_to(self.root).parts[0] if path.is_relative_to(self.root) else ""
+        k = int(top[5:]) if top.startswith("iter_") and top[5:].isdigit() else None
+        if path.parent == self.root / "eval" and path.stem.startswith("step_") and path.stem[5:].isdigit():
+            k = int(path.stem[5:]) or None  # step 0 (before training) belongs to no iteration
+            if k is None:
+                return (f"Restore it from a copy, or recompute it into {self.root / 'reruns'} with "
+                        f"`ragen rerun {self.root} --iteration 0 --stage evaluate`")
+        if k is not None:
+            return (f"Restore it from a copy, or delete {self.done_file(k)} and resume the run "
+                    f"(`ragen train --resume`): iteration {k} is recomputed from its intact inputs")
+        return "Restore it from a copy"
 
     def update_info(self, **values: Any) -> dict[str, Any]:
         info = {**self.info(), **values}
@@ -68,7 +109,18 @@ class RunDir:
         return info
 
     def config(self) -> RagenConfig:
-        return load_config(self.config_path)
+        """The run's config, checked against its recorded digest; a damaged file names itself."""
+        if not self.config_path.is_file():
+            raise RunFileError(f"{self.config_path}: missing; {self.root} is not a complete run directory")
+        verify(self.config_path, fix=self._repair(self.config_path))
+        try:
+            return load_config(self.config_path)
+        except ConfigError as exc:  # its message names the file already; the fix differs for a run's copy
+            raise RunFileError(f"{' '.join(str(exc).split())}. It is this run's stored config: "
+                               f"{self._repair(self.config_path)}") from exc
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise RunFileError(f"{self.config_path}: not valid YAML ({' '.join(str(exc).split())}). "
+                               f"{self._repair(self.config_path)}") from exc
 
     # per iteration
     def iter_dir(self, k: int) -> Path:
@@ -113,14 +165,26 @@ class RunDir:
         return k
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def atomic_write_text(path: Path, text: str, *, record_digest: bool = True) -> None:
+    """Write ``text`` atomically (temp file, fsync, rename) and record its sha256 in the folder's
+    ``SHA256SUMS`` (``record_digest=False``: a mark whose existence is its content, like DONE).
+
+    An ``OSError`` (full disk, read-only folder) is raised as ``StorageWriteError`` naming ``path``.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if record_digest:
+            record(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise write_error(path, exc) from exc
 
 
 #: files at least this large are identified by (size, mtime_ns), not hashed: a 0.5B-parameter
@@ -275,7 +339,7 @@ def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLik
     except OSError as exc:
         raise OSError(f"cannot create run directory {run.root}: {exc.strerror}; check trainer.run_root "
                       "is writable and the disk has space") from exc
-    dump_config(cfg, run.config_path)
+    record(dump_config(cfg, run.config_path))
     run.update_info(run_id=run_id, config_hash=chash, created=time.time())
     _index_add(run_id, run.root.resolve())
     return run
@@ -290,7 +354,7 @@ def _index_add(run_id: str, root: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
         index[run_id] = str(root)
-        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True))
+        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True), record_digest=False)
 
 
 def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:
@@ -402,16 +466,29 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
     from ragen_core.sft import warm_start
 
     if (run.init_policy / "config.json").exists():
+        check_init_policy(run)
         return run.init_policy
     tmp = run.root / f".init_policy.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.sft is not None:
-        warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
-    else:
-        model, tokenizer = policy_from_config(cfg.model)
-        save_policy(model, tokenizer, tmp)
-    os.replace(tmp, run.init_policy)
+    try:
+        if cfg.sft is not None:
+            warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
+        else:
+            model, tokenizer = policy_from_config(cfg.model)
+            save_policy(model, tokenizer, tmp)
+        record_tree(tmp)  # inside the folder, before the rename: the digests travel with it
+        os.replace(tmp, run.init_policy)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(run.init_policy, exc, "the starting policy") from exc
     return run.init_policy
+
+
+def check_init_policy(run: RunDir) -> None:
+    """Verify ``<run>/init_policy`` against its ``SHA256SUMS`` before a learner or a rollout worker
+    loads it (runs from before digests have none and pass)."""
+    verify_tree(run.init_policy, fix="Restore the folder from a copy, or start a new run: every iteration of "
+                                     "this run was trained from it")
 
 
 def _sampling(cfg: RagenConfig, split: str) -> dict[str, Any]:
@@ -538,7 +615,8 @@ def eval_due(cfg: RagenConfig, step: int) -> bool:
 
 def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:
     atomic_write_text(run.metrics_file(k), json.dumps(dict(metrics), indent=1, sort_keys=True))
-    atomic_write_text(run.done_file(k), "")
+    # The empty mark carries no data to corrupt: one SHA256SUMS rewrite (and fsync) less per iteration.
+    atomic_write_text(run.done_file(k), "", record_digest=False)
 
 
 # ------------------------------------------------------------------------------------ reruns
@@ -568,9 +646,12 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     (compared byte for byte). ``learn``: the learner state after ``k - 1`` steps on the stored
     rollouts and filter -> checkpoint (policy and critic compared bitwise). ``evaluate``: validation
     of the policy after ``k`` iterations (compared byte for byte).
-    """
-    import safetensors.torch
 
+    Every stored input and the stored result are checked against the digests recorded when they
+    were written: a damaged file raises an error naming it (``CorruptFileError``,
+    ``TrajectoryFileError``, ``CheckpointError``) instead of a "different" verdict that would blame
+    reproducibility. A damaged stored result is reported after the rerun, whose output is kept.
+    """
     cfg = run.config()
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
@@ -578,6 +659,7 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
         raise ValueError(f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
                          if k == 0 else
                          f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+    check_init_policy(run)  # both the learner and the rollout worker start from it
     out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
     out_dir.mkdir(parents=True, exist_ok=True)
     # The run's own backend by default: Ray actors run torch with their CPU count as thread count,
@@ -588,6 +670,7 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
             session.restore(k - 1)
             table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
+            _check_stored_table(run.rollouts(k), out)
             same = out.read_bytes() == run.rollouts(k).read_bytes()
             return RerunResult(stage, k, out, run.rollouts(k), same,
                                "byte-identical Parquet" if same else "Parquet files differ")
@@ -596,23 +679,56 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
             table, _ = play(cfg, run, session, "val")
             out = write_table(table, out_dir / "eval.parquet")
             stored = run.eval_file(k)
+            if stored.exists():
+                _check_stored_table(stored, out)
             same = stored.exists() and out.read_bytes() == stored.read_bytes()
             return RerunResult(stage, k, out, stored, same, "byte-identical Parquet" if same else
                                ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"))
-        session.restore(k - 1)
-        kept = json.loads(run.filter_file(k).read_text())["kept_rows"]
+        from ragen_core.learner import CheckpointError, verify_checkpoint
+
+        session.restore(k - 1)  # load_checkpoint verifies the checkpoint it starts from
+        kept = run.read_json(run.filter_file(k))["kept_rows"]
         table = read_table(run.rollouts(k)).take(pa.array(kept, type=pa.int64()))
         session.learner.step(to_token_batch(table))
         out = out_dir / "checkpoint"
         session.learner.save_checkpoint(str(out), k)
         stored = run.checkpoint(k)
-        same_policy, d1 = _tensors_equal(safetensors.torch.load_file(str(out / "policy" / "model.safetensors")),
-                                         safetensors.torch.load_file(str(stored / "policy" / "model.safetensors")))
+        try:
+            verify_checkpoint(stored)
+            stored_policy = _read_weights(stored / "policy" / "model.safetensors")
+            stored_critic = (_read_weights(stored / "critic.safetensors")
+                             if (stored / "critic.safetensors").exists() else None)
+        except (CheckpointError, CorruptFileError) as exc:
+            raise type(exc)(f"{exc}. {_NOT_COMPARED.format(out=out)}") from exc
+        same_policy, d1 = _tensors_equal(_read_weights(out / "policy" / "model.safetensors"), stored_policy)
         same, detail = same_policy, f"policy: {d1}"
-        if (stored / "critic.safetensors").exists():
-            same_critic, d2 = _tensors_equal(safetensors.torch.load_file(str(out / "critic.safetensors")),
-                                             safetensors.torch.load_file(str(stored / "critic.safetensors")))
+        if stored_critic is not None:
+            same_critic, d2 = _tensors_equal(_read_weights(out / "critic.safetensors"), stored_critic)
             same, detail = same and same_critic, f"{detail}; critic: {d2}"
         return RerunResult(stage, k, out, stored, same, detail)
     finally:
         session.close()
+
+
+_NOT_COMPARED = "The stored result is damaged, so the rerun compared nothing; its own output is {out}"
+
+
+def _check_stored_table(stored: Path, out: Path) -> None:
+    """The stored result of a rollout / evaluate rerun must be intact to be compared with."""
+    from ragen_core.trajectory import TrajectoryFileError
+
+    try:
+        read_table(stored)
+    except TrajectoryFileError as exc:
+        raise TrajectoryFileError(f"{exc}. {_NOT_COMPARED.format(out=out)}") from exc
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; an unreadable file raises ``CorruptFileError`` naming it."""
+    import safetensors
+    import safetensors.torch
+
+    try:
+        return safetensors.torch.load_file(str(path))
+    except (safetensors.SafetensorError, OSError) as exc:
+        raise CorruptFileError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc

@@ -58,4 +58,5 @@ def save(record: Path, inputs: Mapping[str, Path], outputs: list[Path], metrics:
         "metrics": dict(metrics),
         "extra": dict(extra or {}),
     }
-    atomic_write_text(record, json.dumps(data, indent=1, sort_keys=True))
+    # No digest of the record itself: it holds the digests, and a damaged record only costs a rerun.
+    atomic_write_text(record, json.dumps(data, indent=1, sort_keys=True), record_digest=False)

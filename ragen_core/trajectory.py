@@ -4,6 +4,11 @@ The table is the hand-off between the rollout stage and the learner (architectur
 table"). Files are written atomically (temporary file in the same folder, fsync, rename) so that a
 crash never leaves a half-written file in place of a good one, and they carry their schema version
 in the Parquet key-value metadata. Reading checks both and names the file in every error.
+
+Each written file's sha256 goes into its folder's ``SHA256SUMS`` (``ragen_core.integrity``), and
+reading verifies it: a flipped byte inside a column that Parquet would still decode is reported as a
+corrupt file, not trained on nor blamed on reproducibility. Column types are checked against
+:data:`SCHEMA`, so a foreign file with, say, a text ``score`` is refused naming the column.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+from ragen_core.integrity import CorruptFileError, record, verify
+from ragen_core.storage import write_error
 
 SCHEMA_VERSION = "1"
 SCHEMA_VERSION_KEY = b"ragen.trajectory_schema_version"
@@ -57,6 +65,18 @@ TOKEN_COLUMNS = ("input_ids", "loss_mask", "turn_index", "rollout_logprobs")
 
 class TrajectoryFileError(ValueError):
     """A trajectory file that cannot be used: missing, truncated, corrupt, or of another schema."""
+
+    user_error = True
+
+
+def _repair(path: Path) -> str:
+    """What to do about a damaged trajectory file: a run's rollouts are recomputed by resuming the
+    run from before their iteration (the rollout stage replays a damaged output, deterministically)."""
+    folder = path.parent.name
+    if path.name == "rollouts.parquet" and folder.startswith("iter_") and folder[5:].isdigit():
+        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+    return "Restore it from a copy, or rerun the stage that wrote it"
 
 
 @dataclass
@@ -104,7 +124,11 @@ def to_table(trajectories: Iterable[Trajectory]) -> pa.Table:
 
 
 def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
-    """Write ``table`` to ``path`` atomically (temp file + fsync + rename), zstd compressed."""
+    """Write ``table`` to ``path`` atomically (temp file + fsync + rename), zstd compressed, and
+    record its sha256 in the folder's ``SHA256SUMS``.
+
+    An ``OSError`` (full disk, read-only folder) is raised as ``StorageWriteError`` naming ``path``.
+    """
     path = Path(path)
     if table.schema.remove_metadata() != SCHEMA.remove_metadata():
         raise ValueError(f"{path}: table does not match the trajectory schema v{SCHEMA_VERSION}")
@@ -113,14 +137,17 @@ def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise OSError(f"cannot write trajectories to {path}: {exc.strerror}; check the run directory "
-                      "is writable and the disk has space") from exc
+        raise write_error(path, exc, "trajectories") from exc
     try:
         with os.fdopen(fd, "wb") as f:
             pq.write_table(table, f, compression="zstd")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        record(path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise write_error(path, exc, "trajectories") from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -132,16 +159,23 @@ def write_trajectories(trajectories: Iterable[Trajectory], path: str | os.PathLi
 
 
 def read_table(path: str | os.PathLike[str]) -> pa.Table:
-    """Read and validate a trajectory file; every error names the file and what is wrong with it."""
+    """Read and validate a trajectory file; every error names the file and what is wrong with it.
+
+    Checks, in order: the sha256 recorded when the file was written (if any), that Parquet can read
+    it, its schema version, and every column's presence and type.
+    """
     path = Path(path)
     if not path.exists():
         raise TrajectoryFileError(f"{path}: no such trajectory file")
     try:
+        verify(path, fix=_repair(path))
+    except CorruptFileError as exc:
+        raise TrajectoryFileError(str(exc)) from exc
+    try:
         table = pq.read_table(path)
     except (pa.ArrowInvalid, OSError) as exc:
         raise TrajectoryFileError(
-            f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}. "
-            "Rerun the rollout stage of this iteration to regenerate it."
+            f"{path}: not a readable Parquet file (truncated or corrupt?): {exc}. {_repair(path)}"
         ) from exc
     version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
     if version is None:
@@ -153,6 +187,13 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
     missing = [n for n in SCHEMA.names if n not in table.schema.names]
     if missing:
         raise TrajectoryFileError(f"{path}: missing columns {missing}")
+    for expected in SCHEMA:
+        actual = table.schema.field(expected.name).type
+        if actual != expected.type:  # list types compare by value type, not by the item field's name
+            raise TrajectoryFileError(
+                f"{path}: column {expected.name!r} has type {actual}, expected {expected.type} "
+                f"(trajectory schema v{SCHEMA_VERSION}); not a file this ragen-flow wrote, or it was edited"
+            )
     return table.select(SCHEMA.names)
 
 

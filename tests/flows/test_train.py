@@ -167,6 +167,14 @@ def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path
     first = next(iter(tensors))
     tensors[first] = tensors[first] + 1e-3
     safetensors.torch.save_file(tensors, str(ckpt))
+    # A different but intact checkpoint: re-record its digest (unrecorded, it is reported as corrupt).
+    from ragen_core.integrity import sha256_file
+    from ragen_core.learner import manifest_digest
+
+    manifest = json.loads((ckpt.parents[1] / "manifest.json").read_text())
+    manifest["files"]["policy/model.safetensors"] = sha256_file(ckpt)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (ckpt.parents[1] / "manifest.json").write_text(json.dumps(manifest))
     out = ragen(["rerun", str(copy), "--iteration", "3", "--stage", "learn"], state)
     assert out.returncode == 2 and "DIFFERENT" in out.stdout
 

@@ -416,3 +416,84 @@ def test_lora_trains_adapter_only_and_checkpoints(tmp_path):
     fresh = Learner(tiny_policy(), cfg)
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert max_diff(weights(fresh.policy), after) == 0.0
+
+
+# ------------------------------------------------------------------------- checkpoint integrity
+
+
+def _xor(path: Path, offset: int, n: int) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(offset, min(offset + n, len(data))):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_checkpoint_manifest_digests_every_file_and_load_refuses_a_damaged_one(tmp_path):
+    import hashlib
+
+    from ragen_core.learner import manifest_digest
+
+    ckpt = tmp_path / "ckpt"
+    learner = Learner(tiny_policy(), make_cfg())
+    learner.step(random_batch(8))
+    learner.save_checkpoint(ckpt, iteration=5)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    written = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert sorted(manifest["files"]) == [f for f in written if f != "manifest.json"]
+    assert all(hashlib.sha256((ckpt / f).read_bytes()).hexdigest() == d for f, d in manifest["files"].items())
+    assert manifest["manifest_sha256"] == manifest_digest(manifest)
+
+    fresh = Learner(tiny_policy(seed=1), make_cfg())
+    before = weights(fresh.policy)
+    _xor(ckpt / "policy" / "model.safetensors", 4096, 4096)  # still a loadable safetensors file
+    with pytest.raises(CheckpointError, match=r"policy/model\.safetensors: corrupt file: .*iteration 5 .*"
+                                              r"Restore .*ckpt from a copy"):
+        fresh.load_checkpoint(ckpt)
+    assert max_diff(before, weights(fresh.policy)) == 0.0 and fresh.global_step == 0  # nothing loaded
+
+    # The manifest covers itself: an edited iteration number is caught too.
+    _xor(ckpt / "policy" / "model.safetensors", 4096, 4096)  # undo
+    fresh.load_checkpoint(ckpt)
+    edited = {**manifest, "iteration": 6}
+    (ckpt / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(CheckpointError, match=r"manifest\.json: corrupt manifest: .*manifest_sha256"):
+        fresh.load_checkpoint(ckpt)
+
+
+def test_checkpoint_without_digests_still_names_a_truncated_file(tmp_path):
+    """Checkpoints from before digests: a truncated weights file is named, not just its folder."""
+    ckpt = tmp_path / "ckpt"
+    learner = Learner(tiny_policy(), make_cfg())
+    learner.save_checkpoint(ckpt, iteration=1)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for key in ("files", "manifest_sha256"):
+        manifest.pop(key)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    for name in ("critic.safetensors", "policy/model.safetensors"):
+        f = ckpt / name
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])
+        with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}: .*truncated or corrupt"):
+            Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)
+        f.write_bytes(data)
+
+
+def test_checkpoint_on_a_full_disk_names_it_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    from ragen_core.storage import StorageWriteError
+
+    ckpt = tmp_path / "ckpt"
+    learner = Learner(tiny_policy(), make_cfg())
+    learner.save_checkpoint(ckpt, iteration=1)
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(StorageWriteError, match=rf"^{ckpt}: cannot write the checkpoint: No space left on device; "
+                                                "free disk space or choose another trainer.run_root"):
+        learner.save_checkpoint(ckpt, iteration=2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)["iteration"] == 1

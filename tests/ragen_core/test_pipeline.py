@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ragen_core.config import load_config
+from ragen_core.integrity import record
 from ragen_core.pipeline import PreflightError, RunDir, Session, create_run, init_policy_stage, preflight
 
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.corpus_seeds=2",
@@ -132,3 +133,87 @@ def test_file_digest_follows_content_and_skips_rehashing(tmp_path: Path, monkeyp
     os.utime(d / "big.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
     assert pipeline.file_digest(d) != second
     assert "big.bin" not in reads  # never read: identified by (size, mtime)
+
+
+# ------------------------------------------------------------------------------ integrity (issue 18)
+
+
+def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) -> None:
+    from ragen_core.integrity import CorruptFileError, recorded
+    from ragen_core.pipeline import RunFileError, atomic_write_text, finish_iteration
+
+    run = RunDir(tmp_path / "run")
+    run.update_info(run_id="r")
+    finish_iteration(run, 1, {"a": 1.0})
+    assert recorded(run.info_path) and recorded(run.metrics_file(1))
+    assert recorded(run.done_file(1)) is None  # the empty mark is not worth a digest
+    assert run.read_json(run.metrics_file(1)) == {"a": 1.0}
+    run.metrics_file(1).write_text('{"a": 2.0}')  # same size, other content: only the digest tells
+    with pytest.raises(CorruptFileError, match=r"iter_0001/metrics\.json: corrupt file: .*Restore it from a copy"):
+        run.read_json(run.metrics_file(1))
+    run.info_path.write_text("{not json")
+    with pytest.raises(CorruptFileError, match=r"run\.json: corrupt file: .*run's identity"):
+        run.info()
+    unrecorded = tmp_path / "run" / "eval" / "step_0002.json"
+    unrecorded.parent.mkdir()
+    unrecorded.write_text("{trunc")
+    with pytest.raises(RunFileError, match=r"eval/step_0002\.json: not valid JSON .*delete .*iter_0002/DONE and "
+                                           r"resume"):
+        run.read_json(unrecorded)
+    atomic_write_text(unrecorded, "{}")
+    assert run.read_json(unrecorded) == {}
+
+
+def test_config_yaml_damage_is_named(tmp_path: Path) -> None:
+    from ragen_core.config import dump_config
+    from ragen_core.integrity import CorruptFileError
+    from ragen_core.pipeline import RunFileError
+
+    run = RunDir(tmp_path / "run")
+    cfg = load_config(overrides=TINY)
+    dump_config(cfg, run.config_path)
+    record(run.config_path)  # what create_run should do after dump_config
+    assert run.config() == cfg
+    text = run.config_path.read_text()
+    run.config_path.write_text(text.replace("iterations: 1", "iterations: 9"))  # parses, but is not the run's
+    with pytest.raises(CorruptFileError, match=r"config\.yaml: corrupt file: .*Restore it from a copy"):
+        run.config()
+    run.config_path.write_text("model: [unclosed\n")
+    (run.root / "SHA256SUMS").unlink()  # a run from before digests: the parse error still names it
+    with pytest.raises(RunFileError, match=r"config\.yaml: YAML syntax error .*Restore it from a copy"):
+        run.config()
+
+
+def test_a_full_disk_names_the_json_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    from ragen_core.pipeline import atomic_write_text
+    from ragen_core.storage import StorageWriteError
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    target = tmp_path / "iter_0001" / "metrics.json"
+    with pytest.raises(StorageWriteError, match=rf"^{target}: cannot write file: No space left on device; free disk "
+                                                "space or choose another trainer.run_root"):
+        atomic_write_text(target, "{}")
+    assert os.listdir(target.parent) == []  # (not /dev/full: an atomic writer would rename over the device)
+
+
+def test_init_policy_is_recorded_and_checked_before_use(tmp_path: Path) -> None:
+    from ragen_core.integrity import CorruptFileError, read_sums
+
+    cfg = load_config(overrides=[*TINY, "sft=null", f"trainer.run_root={tmp_path}"])
+    run = create_run(cfg, "init")
+    init_policy_stage(cfg, run)
+    sums = read_sums(run.init_policy)
+    assert "model.safetensors" in sums and "config.json" in sums and "tokenizer.json" in sums
+    assert init_policy_stage(cfg, run) == run.init_policy  # intact: reused
+    weights = run.init_policy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match=r"init_policy/model\.safetensors: corrupt file: .*start a new run"):
+        init_policy_stage(cfg, run)

@@ -151,3 +151,51 @@ def test_killed_writer_never_replaces_a_good_file(tmp_path: Path) -> None:
         killed_mid_write += bool(set(tmp_path.glob(".rollouts.parquet.*.tmp")) - leftovers)
     # The test only means something if some kills landed inside a write.
     assert killed_mid_write >= 1
+
+
+# ------------------------------------------------------------------------------ integrity (issue 18)
+
+
+def test_a_flipped_byte_that_parquet_still_reads_is_reported_as_corrupt(tmp_path: Path) -> None:
+    path = write_trajectories([make_traj(i) for i in range(4)], tmp_path / "rollouts.parquet")
+    assert (tmp_path / "SHA256SUMS").read_text().endswith("  rollouts.parquet\n")  # recorded at write
+    table = pq.read_table(path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(TrajectoryFileError, match=r"rollouts\.parquet: corrupt file: its sha256 .*rerun"):
+        read_table(path)
+    # Without the record the same file is read as before (nothing to check it against).
+    (tmp_path / "SHA256SUMS").unlink()
+    pq.write_table(table, tmp_path / "unrecorded.parquet")  # written by someone else: no record
+    assert read_table(tmp_path / "unrecorded.parquet").num_rows == 4
+
+
+def test_a_column_of_the_wrong_type_is_named(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    table = to_table([make_traj(i) for i in range(2)])
+    i = table.schema.get_field_index("score")
+    bad = table.set_column(i, pa.field("score", pa.string()), pa.array(["1.0", "oops"]))
+    pq.write_table(bad.replace_schema_metadata(table.schema.metadata), tmp_path / "text-score.parquet")
+    with pytest.raises(TrajectoryFileError,
+                       match=r"text-score\.parquet: column 'score' has type string, expected float"):
+        read_trajectories(tmp_path / "text-score.parquet")
+
+
+def test_a_full_disk_names_the_file_and_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from ragen_core.storage import StorageWriteError
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    target = tmp_path / "iter_0001" / "rollouts.parquet"
+    with pytest.raises(StorageWriteError) as err:
+        write_trajectories([make_traj(0)], target)
+    assert str(err.value).startswith(f"{target}: cannot write trajectories: No space left on device; "
+                                     "free disk space or choose another trainer.run_root")
+    assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC and err.value.user_error
+    assert os.listdir(target.parent) == []  # no temporary file left behind
