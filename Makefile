@@ -48,7 +48,7 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ragen demo
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
 	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
 

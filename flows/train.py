@@ -28,6 +28,7 @@ from flows.settings import configure_environment
 from ragen_core import pipeline
 from ragen_core.config import RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
+from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor
 from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
 from ragen_core.resume import resume_config
@@ -190,7 +191,7 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         info["run_id"], flatten(cfg),
         tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),
               "ragen.run_dir": str(run.root.resolve()), "mlflow.source.git.commit": _git_commit(),
-              "prefect.flow_run_id": str(get_run_context().flow_run.id)},
+              "prefect.flow_run_id": str(get_run_context().flow_run.id), **model_provenance(cfg.model.path)},
         run_id=info.get("mlflow_run_id"), parent_run_id=request.parent_run_id,
     )
     run.update_info(mlflow_run_id=mlflow_run)
