@@ -263,10 +263,11 @@ def flip(path: Path, offset: int, n: int) -> None:
 
 
 def finished_copy(state: Path, reference_state: Path) -> Path:
-    """A copy of the finished reference run, registered in this state folder."""
+    """A copy of the finished reference run and of its MLflow store, in this state folder."""
     src = the_run(reference_state)
     dst = state / "runs" / src.name
     shutil.copytree(src, dst)
+    shutil.copy2(reference_state / "mlflow.db", state / "mlflow.db")
     return dst
 
 

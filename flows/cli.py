@@ -355,7 +355,7 @@ def train(
 
     _prepare()
     from ragen_core.config import load_config
-    from ragen_core.pipeline import find_run, preflight, run_name
+    from ragen_core.pipeline import check_resumable, find_run, preflight, run_name
     from ragen_core.resume import resume_config
     from ragen_core.run_lock import RunLock
 
@@ -369,7 +369,7 @@ def train(
             fail("--name names a new run; a resumed run keeps its name (drop --name)")
         run = find_run(resume)
         RunLock(run.root).acquire().release()  # in use by another process: say so now
-        resume_config(run.root, run.config(), run.last_complete(), config, set_ or [])
+        resume_config(run.root, run.config(), check_resumable(run), config, set_ or [])
     from flows.train import TrainRequest
     from flows.train import train as train_flow
 

@@ -155,7 +155,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         run = find_run(request.resume)
         lock = RunLock(run.root).acquire()
         try:
-            cfg, changes = resume_config(run.root, run.config(), run.last_complete(), request.config,
+            cfg, changes = resume_config(run.root, run.config(), pipeline.check_resumable(run), request.config,
                                          request.overrides)
         except BaseException:
             lock.release()

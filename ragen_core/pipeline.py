@@ -491,6 +491,22 @@ def check_init_policy(run: RunDir) -> None:
                                      "this run was trained from it")
 
 
+def check_resumable(run: RunDir) -> int:
+    """What a resume starts from, checked before anything is started or written: every complete
+    iteration's metrics (re-logged to MLflow) and the state after the last one. Returns that
+    iteration; a damaged file raises naming it."""
+    from ragen_core.learner import verify_checkpoint
+
+    last = run.last_complete()
+    for k in range(1, last + 1):
+        run.read_json(run.metrics_file(k))
+    if last > 0:
+        verify_checkpoint(run.checkpoint(last))
+    elif run.init_policy.exists():
+        check_init_policy(run)
+    return last
+
+
 def _sampling(cfg: RagenConfig, split: str) -> dict[str, Any]:
     r = cfg.rollout
     temperature = r.temperature if split == "train" else r.val_temperature
