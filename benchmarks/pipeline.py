@@ -38,7 +38,7 @@ ephemeral server start and the flow-run creation, the MLflow run start, and the 
 Breakdown: during the flow's iterations the parts that are not Prefect's own engine are timed by
 wrapping them (outermost wrapper only, so nothing is counted twice): the library work both sides
 share, Parquet writes and reads, checkpoint writes, JSON / DONE writes, config reloads, Prefect's
-cache-key digests, result persistence and cache lookups, MLflow log_batch, artifact uploads and
+stage-record digests, result persistence and cache lookups, MLflow log_batch, artifact uploads and
 transcripts. The rest is Prefect's task / subflow engine (state changes, events, API calls to the
 ephemeral server) and small glue. ``--profile`` adds a cProfile of the flow's iterations (main
 thread) with the top entries by cumulative time.
@@ -115,7 +115,7 @@ LABELS = [
     (SHARED, "worker rollout"), (SHARED, "learner step"), (SHARED, "weight sync"), (SHARED, "token batch"),
     (PIPE, "Parquet write"), (PIPE, "Parquet read"), (PIPE, "checkpoint save + tokenizer copy"),
     (PIPE, "JSON / DONE writes (fsync)"), (PIPE, "response metrics from table"), (PIPE, "run.config() / run.info()"),
-    (PREFECT, "cache-key digests (file_digest)"), (PREFECT, "result persistence"), (PREFECT, "cache lookups"),
+    (PIPE, "stage records (digests)"), (PREFECT, "result persistence"), (PREFECT, "cache lookups"),
     (MLFLOW, "log_iteration (log_batch)"), (MLFLOW, "artifact upload (rollouts/eval Parquet)"),
     (MLFLOW, "transcripts (read Parquet + json + log_table)"),
 ]
@@ -125,8 +125,7 @@ def instrument(clock: Clock) -> None:
     import prefect.results
 
     import flows.train as ft
-    import tasks.stages as ts
-    from ragen_core import actors, pipeline, tracking
+    from ragen_core import actors, pipeline, stage_record, tracking
 
     clock.wrap(pipeline.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout")
     for cls in (actors.LearnerWorker, actors.LearnerGroup):
@@ -141,7 +140,8 @@ def instrument(clock: Clock) -> None:
     clock.wrap(pipeline, "_response_metrics", "response metrics from table")
     clock.wrap(pipeline.RunDir, "config", "run.config() / run.info()")
     clock.wrap(pipeline.RunDir, "info", "run.config() / run.info()")
-    clock.wrap(ts, "_key", "cache-key digests (file_digest)")
+    clock.wrap(stage_record, "load", "stage records (digests)")
+    clock.wrap(stage_record, "save", "stage records (digests)")
     clock.wrap(prefect.results.ResultStore, "persist_result_record", "result persistence")
     clock.wrap(prefect.results.ResultStore, "exists", "cache lookups")
     clock.wrap(prefect.results.ResultStore, "read", "cache lookups")
