@@ -317,10 +317,16 @@ def run_name(cfg: RagenConfig, name: str | None = None, config_path: str | os.Pa
     if cfg.trainer.run_name:
         return check_run_name(cfg.trainer.run_name, "trainer.run_name")
     if config_path is not None:
-        stem = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(config_path).stem)[:64].lstrip("-_.")
+        stem = to_run_name(Path(config_path).stem)
         if stem:
             return check_run_name(stem, "the config file name")
     return "run"
+
+
+def to_run_name(text: str) -> str:
+    """``text`` made a valid run name (other characters become ``-``, cut to 64), or ``""``: for
+    names made from other names (a config file, a sweep member's key)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("-_.")[:64]
 
 
 def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:

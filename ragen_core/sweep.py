@@ -166,8 +166,11 @@ class Member:
         return self.name
 
     def run_name(self, sweep: SweepConfig) -> str:
-        """Prefix of the member's run directory / run id."""
-        return slug(f"{sweep.name}.{self.key}")
+        """Prefix of the member's run directory / run id (a valid run name: ``=`` and ``,`` of the key
+        become ``-``; the run id's hash and random suffix keep it unique)."""
+        from ragen_core.pipeline import to_run_name
+
+        return to_run_name(f"{sweep.name}.{self.key}") or "member"
 
 
 def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:

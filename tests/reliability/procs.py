@@ -169,7 +169,10 @@ def launch(args: list[str], state: Path, marker: dict[str, str], extra_env: dict
 
     env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(PREFECT_HOME),
            **marker}
-    for key in ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS"):
+    # An in-process init_ray of an earlier test (tests/ragen_core/test_actors.py) leaves its auth mode and
+    # token path in this process's environment; a CLI run must choose its own, as a user's would.
+    for key in ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "RAY_AUTH_MODE",
+                "RAY_AUTH_TOKEN_PATH"):
         env.pop(key, None)
     env.update(extra_env or {})
     state.mkdir(parents=True, exist_ok=True)
