@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -27,17 +27,11 @@ def invoke(state, *args: str):
     return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", "RAGEN_STATE_DIR": str(state)})
 
 
-def tiny_gguf(path, arch: str = "llama"):
-    import gguf
+def tiny_gguf(path: Path, arch: str = "llama") -> Path:
+    """tests.ragen_core.test_model_import's small GGUF file, with a chat template."""
+    from tests.ragen_core.test_model_import import tiny_gguf as make
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_chat_template("{{ x }}")
-    w.add_tensor("token_embd.weight", np.zeros((5, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return make(path, arch, chat_template="{{ x }}")
 
 
 def test_model_help_lists_import():
