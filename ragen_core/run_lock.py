@@ -86,9 +86,9 @@ class RunLock:
 
 def remove_stale_temp_files(root: Path) -> list[Path]:
     """Delete the atomic writers' leftovers under ``root`` (call only while holding its lock)."""
-    stale = [p for p in root.rglob(".*") if _is_temp(p.name)] + [p for p in root.rglob("*") if _is_temp(p.name)]
+    stale = [p for p in root.rglob("*") if _is_temp(p.name)]  # pathlib's "*" matches dot-files too
     removed = []
-    for p in sorted(set(stale), key=lambda p: len(p.parts)):
+    for p in sorted(stale, key=lambda p: len(p.parts)):
         if not p.exists() and not p.is_symlink():
             continue  # inside a folder removed just before
         if p.is_dir() and not p.is_symlink():
