@@ -354,7 +354,7 @@ def train(
     import time
 
     _prepare()
-    from ragen_core.config import load_config
+    from ragen_core.config import DEFAULT_CONFIG, load_config
     from ragen_core.pipeline import check_resumable, find_run, preflight, run_name
     from ragen_core.resume import resume_config
     from ragen_core.run_lock import RunLock
@@ -391,10 +391,6 @@ def train(
         _print_metrics("validation success", rows)
     console().print(f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
                     f"{result['last_iteration']} iterations in {wall:.0f} s")
-
-
-#: The config ``ragen train`` trains when none is given (the README's main job).
-DEFAULT_CONFIG = Path("configs/bandit-tiny.yaml")
 
 
 @app.command()

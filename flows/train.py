@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
 from ragen_core import pipeline
-from ragen_core.config import RagenConfig, config_hash, dump_config, flatten, load_config
+from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
 from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor
@@ -133,10 +133,6 @@ def _best_step(run: RunDir, last: int) -> int | None:
             if value > best_value:
                 best, best_value = step, value
     return best
-
-
-#: The config a new run trains when none is given (the README's main job).
-DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
 
 
 @flow(name="ragen-train", flow_run_name="train", result_serializer="json")

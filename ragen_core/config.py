@@ -27,6 +27,9 @@ from ragen_core.protocol import ProtocolConfig
 from ragen_core.sft import SFTConfig
 from ragen_core.tracking import TrackingConfig
 
+#: The config ``ragen train`` trains when none is given (the README's main job).
+DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
+
 
 class ConfigError(RagenError, ValueError):
     """A config that cannot run: the message names the key and the fix."""
