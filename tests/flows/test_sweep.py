@@ -39,6 +39,7 @@ from ragen_core.sweep import (
     validate_members,
 )
 from ragen_core.tracking import Tracker, TrackingConfig
+from tests.process_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 BANDIT = ROOT / "configs" / "bandit-tiny.yaml"
@@ -383,9 +384,7 @@ TINY = [
 
 
 def ragen(args: list[str], state: Path, prefect_home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PREFECT_HOME": str(prefect_home), "PYTHONUNBUFFERED": "1"}
-    for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAGEN_CRASH_AT"):
-        env.pop(key, None)
+    env = child_env(RAGEN_STATE_DIR=str(state), PREFECT_HOME=str(prefect_home), PYTHONUNBUFFERED="1")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -15,6 +15,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.process_env import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 # One Prefect home for every run of this module: its database is created once (~10 s), not per run.
 PREFECT_HOME = Path(tempfile.mkdtemp(prefix="ragen-prefect-home-"))
@@ -35,11 +37,8 @@ def ragen(args: list[str], state: Path, crash: str | None = None, timeout: float
           extra_env: dict[str, str] | None = None) -> Result:
     """Run the CLI in its own process group; afterwards kill what it left behind (a SIGKILLed run
     cannot stop its ephemeral Prefect server), and read its output from files, not pipes."""
-    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1",
-           "PREFECT_HOME": str(PREFECT_HOME), **(extra_env or {})}
-    for key in ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
-        env.pop(key, None)
-    env.update(extra_env or {})
+    env = child_env(RAGEN_STATE_DIR=str(state), PYTHONUNBUFFERED="1", PREFECT_HOME=str(PREFECT_HOME),
+                    **(extra_env or {}))
     if crash:
         env["RAGEN_CRASH_AT"] = crash
     state.mkdir(parents=True, exist_ok=True)

@@ -166,14 +166,9 @@ def launch(args: list[str], state: Path, marker: dict[str, str], extra_env: dict
     import sys
 
     from tests.flows.test_train import PREFECT_HOME, ROOT
+    from tests.process_env import child_env
 
-    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(PREFECT_HOME),
-           **marker}
-    # An in-process init_ray of an earlier test (tests/ragen_core/test_actors.py) leaves its auth mode and
-    # token path in this process's environment; a CLI run must choose its own, as a user's would.
-    for key in ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "RAY_AUTH_MODE",
-                "RAY_AUTH_TOKEN_PATH"):
-        env.pop(key, None)
+    env = child_env(RAGEN_STATE_DIR=str(state), PYTHONUNBUFFERED="1", PREFECT_HOME=str(PREFECT_HOME), **marker)
     env.update(extra_env or {})
     state.mkdir(parents=True, exist_ok=True)
     out_path, err_path = state / f"{log_name}.out", state / f"{log_name}.err"
