@@ -40,6 +40,9 @@ class EnvSpec:
     env_instruction: str = ""
     max_actions_per_traj: int = 10
     max_tokens: int = 100
+    #: turns an episode gets where no config says otherwise (``ragen evaluate`` of a model folder);
+    #: RAGEN's per-environment configs: one for the single-answer tasks, else agent_proxy's default 5
+    max_turn: int = 5
     env_config: dict[str, Any] = field(default_factory=dict)
 
 

@@ -309,12 +309,16 @@ def _quiet_failed_runs() -> None:
 def _prepare() -> Path:
     """The process environment of the services (before Prefect, MLflow or Ray load) and a state
     folder that is known to be writable: otherwise every command fails later, deep in a library."""
+    import os
     import tempfile
 
     from flows.settings import STATE_DIR, configure_environment
+    from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 
     try:
         state = configure_environment()
+        os.environ.setdefault(PROGRESS_ENV, "1")  # long rollouts print progress, in Ray actors too
+        show_progress_lines()
         with tempfile.TemporaryFile(dir=state):
             pass
     except OSError as exc:
@@ -390,7 +394,23 @@ def train(
             rows[last] = {k: v for k, v in evals[last].items() if k.endswith("/success")}
         _print_metrics("validation success", rows)
     console().print(f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
-                    f"{result['last_iteration']} iterations in {wall:.0f} s")
+                    f"{result['last_iteration']} iterations in {wall:.0f} s", soft_wrap=True)
+    _print_next_steps(result, run.config())
+
+
+def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
+    """Where to look next, with the commands that do it."""
+    run_id, last = result["run_id"], result["last_iteration"]
+    url = result.get("mlflow_url")
+    lines = ["next:"]
+    if url:
+        where = "" if url.startswith(("http://127.0.0.1:5000", "http://localhost:5000")) else " (tracking server)"
+        start = "`ragen ui`, then open " if not where else ""
+        lines.append(f"  browse it:   {start}{url}{where}")
+    lines.append(f"  evaluate it: ragen evaluate {run_id} --tags {','.join(cfg.val.tags)}")
+    lines.append(f"  train on:    ragen train --resume {run_id} --set trainer.iterations={2 * max(last, 1)}")
+    lines.append(f"  rerun:       ragen rerun {run_id} --iteration {max(last, 1)} --stage learn")
+    console().print("\n".join(lines), soft_wrap=True)
 
 
 @app.command()
@@ -401,6 +421,10 @@ def evaluate(
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     engine: Annotated[Literal["hf", "vllm"], typer.Option(help="Rollout backend.")] = "hf",
+    config: Annotated[Path | None, typer.Option(
+        help="Play with this run config's agent settings (turns, actions, thinking) and max_new_tokens; "
+             "default: the run's own, or for a model each tag's catalogue budget.",
+    )] = None,
 ) -> None:
     """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
     _prepare()
@@ -408,14 +432,19 @@ def evaluate(
     from flows.evaluate import evaluate as evaluate_flow
 
     tag_list = [t.strip() for t in tags.split(",") if t.strip()]
-    check_tags(tag_list)  # a bad tag or step fails here, before Prefect starts
+    check_tags(tag_list)  # a bad tag, step or config fails here, before Prefect starts
     resolve_policy(policy)
+    if config is not None:
+        from ragen_core.config import load_config
+
+        load_config(config, [])
     result = evaluate_flow(EvaluateRequest(policy=policy, tags=tag_list, n_per_tag=n,
                                            temperature=temperature, max_new_tokens=max_new_tokens,
-                                           engine=engine))
+                                           engine=engine, config=str(config) if config else None))
     metrics = result["metrics"]
     _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
-    console().print(f"trajectories: {result['out_dir']}/eval.parquet")
+    console().print(f"trajectories: {result['out_dir']}/eval.parquet; MLflow run {result['mlflow_run_id']} "
+                    "(experiment ragen-flow-eval; `ragen ui` to browse it)", soft_wrap=True)
 
 
 @app.command()

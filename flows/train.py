@@ -24,6 +24,7 @@ from prefect.context import get_run_context
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
+from flows.reporting import IterationClock, duration, iteration_line, progress_logger
 from flows.settings import configure_environment
 from ragen_core import pipeline
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
@@ -215,6 +216,12 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
             _log_step(tracker, run, cfg, 0, evaluate_task(str(run.root), 0)["metrics"])
         k = last
+        progress = progress_logger()
+        clock = IterationClock(cfg.trainer.iterations)
+        if k < cfg.trainer.iterations:
+            progress.info("run %s: iterations %d-%d of %d (%s backend)%s", info["run_id"], k + 1,
+                          cfg.trainer.iterations, cfg.trainer.iterations, cfg.trainer.backend,
+                          f", resumed after iteration {k}" if k else "")
         # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
         # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
         iteration = iteration_runner(cfg)
@@ -230,6 +237,7 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
                     for s in signals:
                         log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
                 background.submit(_log_step, tracker, run, cfg, k, dict(metrics))
+                progress.info(iteration_line(k, cfg.trainer.iterations, metrics, clock.lap(), clock.eta(k)))
                 if monitor.should_stop:
                     background.submit(tracker.set_tags, {"echo_trap.action": f"stopped at iteration {k}"})
                     break
@@ -254,8 +262,11 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
                 tracker.log_artifacts(run.policy_after(best), "model/best")
         status = "FINISHED"
         final = run.read_json(run.metrics_file(k)) if k > 0 else {}
+        url = tracker.run_url(mlflow_run)
+        progress.info("run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s",
+                      info["run_id"], k, duration(sum(clock.times)), best, mlflow_run, f" ({url})" if url else "")
         return {"run_id": info["run_id"], "run_dir": str(run.root), "mlflow_run_id": mlflow_run,
-                "last_iteration": k, "best_step": best, "metrics": final}
+                "mlflow_url": url, "last_iteration": k, "best_step": best, "metrics": final}
     finally:
         background.close()
         if session is not None:

@@ -542,6 +542,16 @@ class Tracker:
             raise self._store_error(f"set tags on run {run_id}", e) from e
         return run_id
 
+    def run_url(self, run_id: str, local_ui: str = "http://127.0.0.1:5000") -> str | None:
+        """The run's page in the MLflow UI: on the tracking server itself, or for a local store on the UI
+        that ``ragen ui`` starts (``local_ui``). None when the store cannot be read (offline)."""
+        try:
+            experiment = self.client.get_run(run_id).info.experiment_id
+        except Exception:  # a link is a courtesy: no store, no link
+            return None
+        base = self.tracking_uri.rstrip("/") if self._scheme in ("http", "https") else local_ui
+        return f"{base}/#/experiments/{experiment}/runs/{run_id}"
+
     def _require_run(self) -> str:
         if self.run_id is None:
             raise RuntimeError("no MLflow run: call Tracker.start() first")

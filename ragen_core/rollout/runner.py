@@ -11,6 +11,8 @@ template that rewrites earlier turns) is refused with a clear error.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,11 +20,33 @@ from typing import Any
 import numpy as np
 
 from ragen_core.env_groups import EnvGroups
+from ragen_core.progress import progress_log
 from ragen_core.protocol import Message, forced_prefix
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
 from ragen_core.trajectory import Trajectory
 
 _SPLIT_CODES = {"train": 0, "val": 1}
+#: A progress line at most every PROGRESS_EVERY_S seconds, so short rollouts (the tiny models') print none.
+PROGRESS_EVERY_S = 10.0
+
+
+class _Progress:
+    """Episodes done, elapsed time and an upper bound of the time left (every live episode playing every
+    remaining turn at the mean turn time so far)."""
+
+    def __init__(self, split: str, total: int, max_turn: int) -> None:
+        self.split, self.total, self.max_turn = split, total, max_turn
+        self.t0 = self.last = time.perf_counter()
+
+    def turn_done(self, turn: int, active: int) -> None:
+        now = time.perf_counter()
+        if not active or now - self.last < PROGRESS_EVERY_S or not progress_log.isEnabledFor(logging.INFO):
+            return  # the last turn's news is the stage's own line
+        self.last = now
+        elapsed = now - self.t0
+        left = elapsed / (turn + 1) * (self.max_turn - turn - 1)
+        progress_log.info("%s rollouts: turn %d/%d, %d/%d episodes done, %.0f s elapsed, at most %.0f s left",
+                          self.split, turn + 1, self.max_turn, self.total - active, self.total, elapsed, left)
 
 
 class ChatTemplateError(ValueError):
@@ -172,6 +196,7 @@ def run_rollouts(
     split = groups.mode
     groups.reset(iteration)
     convs = {i: _Conversation() for i in groups.env_ids}
+    progress = _Progress(split, len(convs), protocol.max_turn)
 
     def visible(env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
         history = groups.history(env_id)
@@ -201,6 +226,7 @@ def run_rollouts(
             convs[env_id].turns.append(_Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed))
             responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
         groups.step(responses)
+        progress.turn_done(turn, len(groups.active_ids()))
 
     out = []
     for ep in groups.trajectories():

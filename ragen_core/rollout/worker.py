@@ -8,6 +8,7 @@ validation groups) per call, returning the trajectories as an Arrow table.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import ray
 import torch
 
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
@@ -39,6 +41,8 @@ class RolloutWorker:
     ) -> None:
         from ragen_core.models import load_policy
 
+        if os.environ.get(PROGRESS_ENV) == "1":
+            show_progress_lines()
         if num_threads:
             torch.set_num_threads(num_threads)
         self.policy_path = policy_path
@@ -87,6 +91,12 @@ class RolloutWorker:
         from ragen_core.models import load_weight_files
 
         self.engine.update_weights(load_weight_files(path))
+
+    def set_groups(self, split: str, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
+        """Play ``split`` with other env groups from now on (``ragen evaluate`` plays tags whose turn
+        budgets differ one after another, on one loaded model)."""
+        self.groups[split] = EnvGroups(EnvGroupsConfig.model_validate(dict(groups)),
+                                       ProtocolConfig.model_validate(dict(protocol)), mode=split)
 
     def rollout(self, split: str, iteration: int, params: Mapping[str, Any], seed: int,
                 run_id: str = "") -> tuple[pa.Table, dict[str, float]]:

@@ -105,6 +105,14 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
                 "actor/grad_norm", "critic/vf_loss", "actor/pg_clipfrac", "response_length/mean",
                 "timing_s/gen", "perf/tokens_per_s"):
         assert key in metrics, key
+    # What the user saw: a line per iteration (through Prefect's logger), then where to look next.
+    err, out = (state / "cli.err").read_text(), (state / "cli.out").read_text()
+    lines = [line for line in err.splitlines() if "| iteration " in line]
+    assert [line.split("| iteration ")[1].split(" ")[0] for line in lines] == ["1/3", "2/3", "3/3"], err[-2000:]
+    assert "val success" in lines[-1] and "ETA" in lines[0] and "ETA" not in lines[-1]
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    assert f"ragen evaluate {run_id} --tags Bandit" in out and f"ragen train --resume {run_id}" in out
+    assert "#/experiments/" in out
 
 
 def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Path], tmp_path: Path) -> None:

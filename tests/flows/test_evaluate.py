@@ -1,0 +1,58 @@
+"""``ragen evaluate``: each tag is played with its own budget (or a config's), on one loaded model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.evaluate import EvaluateRequest, budgets, evaluate
+from ragen_core.protocol import ProtocolConfig
+from ragen_core.trajectory import read_trajectories
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_model_folder_plays_each_tag_with_its_catalogue_budget() -> None:
+    plan = budgets(EvaluateRequest(policy="m", tags=["Bandit", "SimpleSokoban", "BanditTest"]), None, None)
+    by_tags = {tuple(b.tags): (b.protocol.max_turn, b.max_new_tokens) for b in plan}
+    # Bandit used to get the protocol default of 5 turns: an invalid answer was retried 4 times.
+    assert by_tags == {("Bandit", "BanditTest"): (1, 100), ("SimpleSokoban",): (5, 100)}
+
+
+def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(tmp_path: Path) -> None:
+    plan = budgets(EvaluateRequest(policy="m", tags=["Bandit", "SimpleSokoban"], max_new_tokens=24), None, None)
+    assert sorted(b.max_new_tokens for b in plan) == [24, 24]
+    run_protocol = ProtocolConfig(max_turn=3, enable_think=False)
+    (only,) = budgets(EvaluateRequest(policy="r", tags=["Bandit", "SimpleSokoban"]), run_protocol, 48)
+    assert only.protocol == run_protocol and only.max_new_tokens == 48 and only.tags == ["Bandit", "SimpleSokoban"]
+    cfg = yaml.safe_load((ROOT / "configs" / "bandit-tiny.yaml").read_text())
+    cfg["agent"]["max_turn"] = 2
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    (only,) = budgets(EvaluateRequest(policy="r", tags=["SimpleSokoban"], config=str(path)), run_protocol, 48)
+    assert only.protocol.max_turn == 2 and only.max_new_tokens == cfg["rollout"]["max_new_tokens"]
+
+
+def test_evaluate_plays_tags_with_different_budgets_on_one_model(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+
+    model, tok = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                               intermediate_size=64, corpus_seeds=2, seed=1))
+    folder = save_policy(model, tok, tmp_path / "model")
+    request = EvaluateRequest(policy=str(folder), tags=["Bandit", "SimpleSokoban"], n_per_tag=3, max_new_tokens=6,
+                              out_dir=str(tmp_path / "eval"), log_to_mlflow=False)
+    with caplog.at_level(logging.INFO, logger="ragen.flows"):
+        result = evaluate.fn(request)  # the flow's body: no Prefect server for a unit test
+    trajectories = read_trajectories(Path(result["out_dir"]) / "eval.parquet")
+    turns = {tag: max(t.turn_count for t in trajectories if t.env_tag == tag) for tag in ("Bandit", "SimpleSokoban")}
+    assert len(trajectories) == 6
+    assert turns["Bandit"] == 1  # the untrained model answers badly: more turns would be played if allowed
+    assert turns["SimpleSokoban"] > 1
+    metrics = result["metrics"]
+    per_tag = [metrics["val-env/Bandit/success"], metrics["val-env/SimpleSokoban/success"]]
+    assert metrics["val-env/success"] == pytest.approx(sum(per_tag) / 2)
+    assert "playing Bandit: 3 episodes each, 1 turn(s), 6 new tokens per turn" in caplog.text
+    assert "SimpleSokoban: success" in caplog.text
