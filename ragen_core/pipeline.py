@@ -254,9 +254,17 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"rollout.engine=vllm: {exc}")
         m = cfg.model  # a tiny model is built from these; a saved one is checked when its engine starts
-        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if m.path is None else None
+        tiny = m.path is None and m.imported is None
+        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if tiny else None
         if problem:
             problems.append(f"rollout.engine=vllm: {problem}")
+    if cfg.model.imported is not None:
+        from ragen_core.models import ModelNotFoundError
+
+        try:
+            cfg.model.source()
+        except ModelNotFoundError as exc:
+            problems.append(str(exc))
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and not torch.cuda.is_available():
         if cfg.learner.num_gpus > 0:

