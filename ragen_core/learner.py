@@ -211,6 +211,12 @@ class OptimConfig(BaseModel):
         default=4, ge=1, description="sequences per forward/backward pass on one learner (memory only)"
     )
     shuffle: bool = Field(default=False, description="shuffle rows before each epoch (seeded by learner.seed)")
+    old_logprobs_from_update: bool = Field(
+        default=False,
+        description="when a step makes a single update (ppo_epochs 1, one mini-batch, one learner, no KL in the "
+        "reward), take the old log-probs from that update's own forward pass (detached: ratio 1, the same "
+        "gradient) instead of a separate no-grad pass over the batch: one forward pass fewer per step",
+    )
     critic: Literal["separate", "shared_backbone"] = Field(
         default="separate",
         description="separate: a copy of the policy backbone (or critic_model_path) + a fresh scalar "
@@ -682,10 +688,18 @@ class Learner:
         n_seq = mask.shape[0]
 
         # 1. old log-probs, reference log-probs, values (no grad) --------------------------------
+        n_mini = max(1, n_seq // opt.mini_batch_size)
+        # One update on the whole batch from the current weights: its own forward pass gives the old
+        # log-probs (filled in by _update before the loss reads them).
+        from_update = (opt.old_logprobs_from_update and opt.ppo_epochs == 1 and n_mini == 1
+                       and self.world_size == 1 and not alg.use_kl_in_reward)
         t = time.perf_counter()
-        old_logp = self._infer(lambda ids, m: self._logprobs(self.policy, ids, m)[0], input_ids, mask, lengths,
-                               fdtype)
-        timing["old_log_prob"] = time.perf_counter() - t
+        if from_update:
+            old_logp = torch.zeros_like(maskf)
+        else:
+            old_logp = self._infer(lambda ids, m: self._logprobs(self.policy, ids, m)[0], input_ids, mask,
+                                   lengths, fdtype)
+            timing["old_log_prob"] = time.perf_counter() - t
         ref_logp = None
         if alg.use_ref:
             t = time.perf_counter()
@@ -716,7 +730,6 @@ class Learner:
         timing["adv"] = time.perf_counter() - t
 
         # 4. mini-batches: floor(B / mini) contiguous near-equal slices per epoch -----------------
-        n_mini = max(1, n_seq // opt.mini_batch_size)
         epochs_rows = []
         for epoch in range(opt.ppo_epochs):
             if opt.shuffle:
@@ -728,6 +741,7 @@ class Learner:
         data = {
             "input_ids": input_ids, "mask": mask, "lengths": lengths, "old_logp": old_logp,
             "ref_logp": ref_logp, "values": values, "returns": returns, "advantages": advantages,
+            "old_logp_from_update": from_update,
         }
         acc = _Accum()
 
@@ -808,6 +822,8 @@ class Learner:
             else:
                 logp, entropy = self._logprobs(self.policy, ids, mask, with_entropy=True,
                                                entropy_grad=alg.entropy_coeff != 0)
+                if data["old_logp_from_update"]:
+                    data["old_logp"][idx, :width] = logp.detach() * mask
                 pg_loss, m = policy_loss(
                     logp, data["old_logp"][idx, :width], data["advantages"][idx, :width], mask,
                     clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip=alg.dual_clip,

@@ -174,6 +174,29 @@ def test_micro_batch_size_does_not_change_the_update(estimator):
     assert results[0][2]["actor/ppo_kl"] != 0.0
 
 
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_old_logprobs_from_the_update_give_the_same_step_one_pass_fewer(estimator):
+    """A single-update step (ppo_epochs 1, one mini-batch) reads its old log-probs from the update's own
+    forward pass: the same weights and metrics as the separate pass, and no old_log_prob timing."""
+    batch = random_batch(8, seed=3)
+    results = []
+    for from_update in (False, True):
+        cfg = make_cfg(adv_estimator=estimator, entropy_coeff=0.01,
+                       optim={"mini_batch_size": 8, "micro_batch_size": 3, "old_logprobs_from_update": from_update})
+        learner = Learner(tiny_policy(dtype=torch.float64), cfg)
+        metrics = learner.step(batch)
+        results.append((weights(learner.policy), metrics))
+    (w_sep, m_sep), (w_upd, m_upd) = results
+    assert max_diff(w_sep, w_upd) < 1e-9 and max_diff(w_sep, weights(tiny_policy(dtype=torch.float64))) > 1e-4
+    for key in ("actor/pg_loss", "actor/grad_norm", "rollout/old_log_prob", "actor/entropy"):
+        assert m_upd[key] == pytest.approx(m_sep[key], rel=1e-9, abs=1e-12), key
+    assert m_upd["actor/ppo_kl"] == 0.0 and m_upd["actor/pg_clipfrac"] == 0.0
+    assert "timing_s/old_log_prob" in m_sep and "timing_s/old_log_prob" not in m_upd
+    # two mini-batches: the second is off-policy, so the separate pass is kept
+    cfg = make_cfg(adv_estimator=estimator, optim={"mini_batch_size": 4, "old_logprobs_from_update": True})
+    assert "timing_s/old_log_prob" in Learner(tiny_policy(dtype=torch.float64), cfg).step(batch)
+
+
 def test_logprobs_and_entropy_match_full_logits():
     learner = Learner(tiny_policy(dtype=torch.float64), make_cfg(adv_estimator="grpo"))
     batch = random_batch(4, seed=5)
