@@ -37,8 +37,8 @@ def ragen(args: list[str], state: Path, crash: str | None = None, timeout: float
           extra_env: dict[str, str] | None = None) -> Result:
     """Run the CLI in its own process group; afterwards kill what it left behind (a SIGKILLed run
     cannot stop its ephemeral Prefect server), and read its output from files, not pipes."""
-    env = child_env(RAGEN_STATE_DIR=str(state), PYTHONUNBUFFERED="1", PREFECT_HOME=str(PREFECT_HOME),
-                    **(extra_env or {}))
+    env = child_env(**{"RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(PREFECT_HOME),
+                       **(extra_env or {})})
     if crash:
         env["RAGEN_CRASH_AT"] = crash
     state.mkdir(parents=True, exist_ok=True)
