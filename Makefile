@@ -50,7 +50,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
-	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
+	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

