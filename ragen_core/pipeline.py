@@ -38,7 +38,7 @@ from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import CorruptFileError, record, record_tree, verify, verify_tree
-from ragen_core.storage import write_error
+from ragen_core.storage import as_os_error, write_error
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
 
@@ -492,9 +492,12 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
             save_policy(model, tokenizer, tmp)
         record_tree(tmp)  # inside the folder, before the rename: the digests travel with it
         os.replace(tmp, run.init_policy)
-    except OSError as exc:
+    except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(run.init_policy, exc, "the starting policy") from exc
+        os_error = as_os_error(exc, run.init_policy)
+        if os_error is None:
+            raise
+        raise write_error(run.init_policy, os_error, "the starting policy") from exc
     return run.init_policy
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -33,3 +34,31 @@ def write_error(path: str | os.PathLike[str], exc: OSError, what: str = "file") 
     else:
         fix = "make its folder writable or choose another trainer.run_root (--set trainer.run_root=...)"
     return StorageWriteError(exc.errno or 0, f"{Path(path)}: cannot write {what}: {reason}; {fix}")
+
+
+# safetensors' writer reports "I/O error: No space left on device (os error 28)"; torch.save's zip
+# writer, after a short write on a full disk, only "[enforce fail at inline_container.cc] unexpected
+# pos N vs M". Neither is an OSError, so the run used to end in an "internal error".
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+_SHORT_WRITE = "unexpected pos"
+
+
+def as_os_error(exc: BaseException, path: str | os.PathLike[str]) -> OSError | None:
+    """``exc`` if it is an ``OSError``; the ``OSError`` a library's write error stands for (the errno it
+    names, or a short write on the disk of ``path`` when that disk is nearly full); else None."""
+    if isinstance(exc, OSError):
+        return exc
+    text = str(exc)
+    found = _OS_ERROR_IN_TEXT.search(text)
+    if found:
+        code = int(found.group(1))
+        return OSError(code, os.strerror(code))
+    if _SHORT_WRITE in text:
+        import shutil
+
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if shutil.disk_usage(probe).free < 256 * 2**20:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None

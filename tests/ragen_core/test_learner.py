@@ -520,3 +520,31 @@ def test_checkpoint_on_a_full_disk_names_it_and_keeps_the_previous_one(tmp_path,
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)["iteration"] == 1
+
+
+@pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
+def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path, monkeypatch):
+    """On a real full disk safetensors raised SafetensorError("... (os error 28)") and torch.save a
+    RuntimeError("... unexpected pos N vs M"): neither is an OSError, and the run ended in an
+    "internal error". Both now name the checkpoint and the fix."""
+    import shutil
+    from collections import namedtuple
+
+    from ragen_core.storage import StorageWriteError
+
+    learner = Learner(tiny_policy(), make_cfg())
+    if writer == "safetensors":
+        def fail(*args, **kwargs):
+            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+        monkeypatch.setattr(type(learner.policy), "save_pretrained", fail)
+    else:
+        def fail(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 927546496 vs 927546388")
+
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(torch, "save", fail)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
+    with pytest.raises(StorageWriteError, match="cannot write the checkpoint: No space left on device; free disk"):
+        learner.save_checkpoint(tmp_path / "ckpt", iteration=1)
+    assert list(tmp_path.iterdir()) == []
