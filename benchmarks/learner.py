@@ -23,7 +23,7 @@ With ``--model FOLDER`` (e.g. SmolLM2-135M-Instruct from ``ragen model import ll
 that pretrained policy, the batch is Bandit-shaped (16 sequences x 256 tokens, the last 16 trained), the
 target is >= 0.9, and the learners are the GRPO of ``configs/bandit-smollm2.yaml`` with and without
 ``old_logprobs_from_update`` (``grpo_one_pass``, which must do only T). Both sides compute the LM head on the trained positions only (as the learner does for these
-decoder families): a bare loop over a 49k vocabulary at every position would flatter the learner.
+decoder families); the tiny model's bare loop applies it everywhere, as when its figures were taken.
 
 Usage: ``python benchmarks/learner.py [--reps 5] [--threads N] [--micro 8] [--model FOLDER]``. The last
 lines read ``BENCH <name> ratio=<x> target=>=<t> PASS|MISS``; the peak RSS of the process is printed too.
@@ -80,9 +80,13 @@ def build_batch(n: int = 32, length: int = 256, trained: int = 200, seed: int = 
 
 
 def _logp(model: torch.nn.Module, ids: torch.Tensor, trained: int) -> torch.Tensor:
-    """Log-probs of the last ``trained`` tokens (the head only where they are predicted)."""
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=trained + 1).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, -trained:, None]).squeeze(-1)
+    """Log-probs of the last ``trained`` tokens. The tiny model's bare loop applies the head everywhere
+    (the figures in benchmarks/README.md); with --model only where trained tokens are predicted, as
+    the learner does: with a 49k vocabulary the full head would flatter the learner."""
+    keep = trained + 1 if MODEL is not None else 0  # 0: every position
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[:, :-1].float()
+    targets = ids[:, 1:][:, -logits.shape[1]:]
+    return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)[:, -trained:]
 
 
 def bare_passes(batch: TokenBatch, micro: int) -> dict[str, Callable[[], None]]:
