@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,8 +108,8 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
         assert key in metrics, key
     # What the user saw: a line per iteration (through Prefect's logger), then where to look next.
     err, out = (state / "cli.err").read_text(), (state / "cli.out").read_text()
-    lines = [line for line in err.splitlines() if "| iteration " in line]
-    assert [line.split("| iteration ")[1].split(" ")[0] for line in lines] == ["1/3", "2/3", "3/3"], err[-2000:]
+    lines = [line for line in err.splitlines() if re.search(r"\biteration \d+/3 \|", line)]
+    assert [re.search(r"iteration (\d+/3)", line).group(1) for line in lines] == ["1/3", "2/3", "3/3"], err[-2000:]
     assert "val success" in lines[-1] and "ETA" in lines[0] and "ETA" not in lines[-1]
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     assert f"ragen evaluate {run_id} --tags Bandit" in out and f"ragen train --resume {run_id}" in out
