@@ -401,12 +401,13 @@ def train(
 def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
     """Where to look next, with the commands that do it."""
     run_id, last = result["run_id"], result["last_iteration"]
+    from ragen_core.tracking import LOCAL_UI_URL
+
     url = result.get("mlflow_url")
     lines = ["next:"]
     if url:
-        where = "" if url.startswith(("http://127.0.0.1:5000", "http://localhost:5000")) else " (tracking server)"
-        start = "`ragen ui`, then open " if not where else ""
-        lines.append(f"  browse it:   {start}{url}{where}")
+        local = url.startswith(LOCAL_UI_URL)
+        lines.append(f"  browse it:   {'`ragen ui`, then open ' if local else ''}{url}{'' if local else ' (tracking server)'}")
     lines.append(f"  evaluate it: ragen evaluate {run_id} --tags {','.join(cfg.val.tags)}")
     lines.append(f"  train on:    ragen train --resume {run_id} --set trainer.iterations={2 * max(last, 1)}")
     lines.append(f"  rerun:       ragen rerun {run_id} --iteration {max(last, 1)} --stage learn")

@@ -38,7 +38,7 @@ from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import CorruptFileError, record, record_tree, verify, verify_tree
-from ragen_core.storage import as_os_error, write_error
+from ragen_core.storage import as_os_error, existing_ancestor, write_error
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
 
@@ -274,9 +274,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
             problems.append(f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
                             "--set trainer.rollout_gpus=0")
     root = Path(cfg.trainer.run_root or state_dir() / "runs")
-    probe = root
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = existing_ancestor(root)
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         problems.append(f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
                         "--set trainer.run_root")

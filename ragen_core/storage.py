@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 from pathlib import Path
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -53,12 +54,14 @@ def as_os_error(exc: BaseException, path: str | os.PathLike[str]) -> OSError | N
     if found:
         code = int(found.group(1))
         return OSError(code, os.strerror(code))
-    if _SHORT_WRITE in text:
-        import shutil
-
-        probe = Path(path)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        if shutil.disk_usage(probe).free < 256 * 2**20:
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if _SHORT_WRITE in text and shutil.disk_usage(existing_ancestor(path)).free < 256 * 2**20:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return None
+
+
+def existing_ancestor(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent folder (the disk it will be on)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return probe

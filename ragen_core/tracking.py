@@ -77,6 +77,8 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 MAX_METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
 MAX_PARAM_VALUE_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
+#: Where ``ragen ui`` serves the MLflow UI of a local store (its default port).
+LOCAL_UI_URL = "http://127.0.0.1:5000"
 MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 ITERATION_KEY = "iteration"
@@ -542,7 +544,7 @@ class Tracker:
             raise self._store_error(f"set tags on run {run_id}", e) from e
         return run_id
 
-    def run_url(self, run_id: str, local_ui: str = "http://127.0.0.1:5000") -> str | None:
+    def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
         """The run's page in the MLflow UI: on the tracking server itself, or for a local store on the UI
         that ``ragen ui`` starts (``local_ui``). None when the store cannot be read (offline)."""
         try:

@@ -61,11 +61,9 @@ class RolloutWorker:
                                              **dict(engine_options or {}))
         else:
             raise ValueError(f"rollout.engine={engine!r} is not a rollout backend; use 'hf' or 'vllm'")
-        proto = ProtocolConfig.model_validate(dict(protocol))
-        self.groups = {
-            "train": EnvGroups(EnvGroupsConfig.model_validate(dict(train)), proto, mode="train"),
-            "val": EnvGroups(EnvGroupsConfig.model_validate(dict(val)), proto, mode="val"),
-        }
+        self.groups: dict[str, EnvGroups] = {}
+        self.set_groups("train", protocol, train)
+        self.set_groups("val", protocol, val)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.engine.update_weights(state_dict)
