@@ -113,6 +113,9 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # Ray's processes retitle themselves ("ray::DashboardAgent", "ray::IDLE"); by default its
+        # setproctitle zeroes /proc/<pid>/environ to make room, and then the watchdog cannot find them.
+        "SPT_NOENV": "1",
         "RAGEN_STATE_DIR": str(state),
     }
     for key, value in defaults.items():

@@ -51,6 +51,9 @@ RAY_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # Keep /proc/<pid>/environ of retitled Ray processes readable (flows.settings' watchdog finds a
+    # run's processes by an environment marker).
+    "SPT_NOENV": "1",
 }
 
 ModelFactory = Callable[[], torch.nn.Module] | str | os.PathLike
