@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ragen_core.algorithms import kept_group_count
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner import LearnerConfig
@@ -159,7 +160,7 @@ class RagenConfig(BaseModel):
                 f"learner.algorithm.adv_estimator={algo.adv_estimator} needs train.group_size>=2 "
                 "(its baseline is the group)"
             )
-        kept_groups = max(1, int(r.filter_ratio * g.num_groups + 0.5))
+        kept_groups = kept_group_count(r.filter_ratio, g.num_groups)
         kept = kept_groups * g.group_size
         mb = self.learner.optim.mini_batch_size
         if mb > kept:
@@ -169,10 +170,6 @@ class RagenConfig(BaseModel):
                 f"<= {kept} or raise rollout.filter_ratio / train.n_groups"
             )
         return self
-
-    @property
-    def filtered_batch_size(self) -> int:
-        return max(1, int(self.rollout.filter_ratio * self.train.num_groups + 0.5)) * self.train.group_size
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

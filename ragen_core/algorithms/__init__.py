@@ -6,7 +6,7 @@ formula. Public contract: see architecture.md, section "Algorithms".
 """
 
 from ragen_core.algorithms.advantages import bilevel_gae, gae, grpo, reinforce_pp, rloo, whiten
-from ragen_core.algorithms.filtering import FILTER_MODES, group_std_stats, select_groups
+from ragen_core.algorithms.filtering import FILTER_MODES, group_std_stats, kept_group_count, select_groups
 from ragen_core.algorithms.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -28,6 +28,7 @@ __all__ = [
     "gae",
     "group_std_stats",
     "grpo",
+    "kept_group_count",
     "kl_penalty",
     "masked_mean",
     "policy_loss",

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from decimal import ROUND_HALF_UP, Decimal
 
 import torch
 
 from ragen_core.algorithms._utils import as_float, check_finite, check_ndim, group_index, group_moments
 
-__all__ = ["FILTER_MODES", "group_std_stats", "select_groups"]
+__all__ = ["FILTER_MODES", "group_std_stats", "kept_group_count", "select_groups"]
 
 FILTER_MODES = ("std", "std_rev")
 
@@ -26,6 +27,22 @@ def _scores_1d(scores: torch.Tensor) -> torch.Tensor:
     return scores
 
 
+def kept_group_count(ratio: float, n_groups: int) -> int:
+    """How many of ``n_groups`` groups the filter keeps at ``ratio``: the one rounding rule.
+
+        k = max(1, round_half_up(ratio · G))     (0.25·8 = 2, 0.5·5 = 3, 0.58·25 = 15)
+
+    The product is taken in decimal, as the ratio is written (``0.58``), not in binary floating
+    point, where 0.58·25 = 14.499999999999998 would round down. ``n_groups == 0`` keeps 0.
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"rollout_filter_ratio must be in (0, 1], got {ratio}")
+    if n_groups <= 0:
+        return 0
+    exact = Decimal(repr(float(ratio))) * n_groups
+    return max(1, int(exact.to_integral_value(rounding=ROUND_HALF_UP)))
+
+
 def select_groups(
     scores: torch.Tensor,
     group_ids: torch.Tensor | Sequence[Hashable],
@@ -35,7 +52,7 @@ def select_groups(
     """StarPO-S uncertainty filter: a per-trajectory keep mask selecting whole groups.
 
         σ_g = unbiased std of {s_i : i ∈ g}
-        k   = max(1, round(ratio · G))          (G groups; round half up, so 0.25·8 = 2, 0.5·5 = 3)
+        k   = kept_group_count(ratio, G)        (G groups; max(1, round half up of ratio·G))
         keep the k groups with the largest σ_g ("std") or the smallest ("std_rev")
 
     Ties are broken by the order in which groups first appear in ``group_ids`` (earlier first), so
@@ -64,7 +81,7 @@ def select_groups(
         raise ValueError(
             "group_size 1 has no in-group variance; use group_size >= 2 or rollout_filter_ratio=1"
         )
-    n_keep = max(1, math.floor(ratio * n_groups + 0.5 + 1e-9))
+    n_keep = kept_group_count(ratio, n_groups)
     sign = -1.0 if mode == "std" else 1.0
     std_list = std.tolist()
     order = sorted(range(n_groups), key=lambda g: (sign * std_list[g], g))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from ragen_core.algorithms import (
     gae,
     group_std_stats,
     grpo,
+    kept_group_count,
     kl_penalty,
     masked_mean,
     policy_loss,
@@ -585,6 +587,27 @@ def test_select_groups_ratio_one_ties_rounding_and_errors():
     with pytest.raises(ValueError, match="non-finite reward"):
         select_groups(torch.tensor([0.0, float("inf")]), [0, 0], 0.5)
     assert select_groups(torch.zeros(0), [], 0.5).shape == (0,)
+
+
+def test_kept_group_count_rounds_the_decimal_ratio_half_up_for_every_step() -> None:
+    """One rounding rule for the filter and the config check: the exact product of the ratio as
+    written (a decimal) and the group count, rounded half up, at least one group."""
+    for hundredths in range(1, 101):
+        ratio = hundredths / 100
+        for n in range(1, 1025):
+            expected = max(1, math.floor(Fraction(hundredths, 100) * n + Fraction(1, 2)))
+            assert kept_group_count(ratio, n) == expected, (ratio, n)
+    assert kept_group_count(0.58, 25) == 15  # 0.58 * 25 == 14.499999999999998 in binary floating point
+    assert kept_group_count(0.5, 0) == 0
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kept_group_count(1.5, 4)
+
+
+@pytest.mark.parametrize(("ratio", "n_groups"), [(0.58, 25), (0.25, 10), (0.01, 7), (0.99, 33), (0.3, 5)])
+def test_select_groups_keeps_kept_group_count_groups(ratio: float, n_groups: int) -> None:
+    groups = [g for g in range(n_groups) for _ in range(2)]
+    scores = torch.arange(2 * n_groups, dtype=torch.float64) ** 2  # distinct in-group stds
+    assert int(select_groups(scores, groups, ratio).sum()) == 2 * kept_group_count(ratio, n_groups)
 
 
 def test_group_std_stats():

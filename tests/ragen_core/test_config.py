@@ -12,10 +12,18 @@ from ragen_core.config import ConfigError, config_hash, dump_config, flatten, lo
 def test_defaults_are_ragens_base_yaml() -> None:
     cfg = load_config(overrides=["learner.optim.mini_batch_size=32"])
     assert cfg.train.num_envs == 128 and cfg.val.num_envs == 256
-    assert cfg.rollout.filter_ratio == 0.25 and cfg.filtered_batch_size == 32
+    assert cfg.rollout.filter_ratio == 0.25
     assert cfg.learner.algorithm.clip_low == 0.2 and cfg.learner.algorithm.clip_high == 0.28
     assert cfg.learner.algorithm.adv_estimator == "gae" and not cfg.learner.algorithm.use_kl_loss
     assert cfg.agent.max_turn == 5 and cfg.agent.format_penalty == -0.1
+
+
+def test_the_mini_batch_check_counts_kept_groups_as_the_filter_does() -> None:
+    # 0.58 x 25 groups keeps 15 groups (the filter's count), so a mini-batch of 15 x 4 fits and 61 does not
+    base = ["train.n_groups=[25]", "train.group_size=4", "rollout.filter_ratio=0.58"]
+    assert load_config(overrides=[*base, "learner.optim.mini_batch_size=60"]).learner.optim.mini_batch_size == 60
+    with pytest.raises(ConfigError, match=r"filtered batch \(60 = 15 kept groups x 4\)"):
+        load_config(overrides=[*base, "learner.optim.mini_batch_size=61"])
 
 
 def test_overrides_parse_yaml_values() -> None:
