@@ -107,6 +107,9 @@ class PairedEngine(RolloutEngine):
         self.turn_ratios.append((o_t / o_s) / (r_t / r_s))
         return out
 
+    def conversations(self):
+        return self.inner.conversations()  # the runner's turns reuse the inner engine's KV cache
+
     def update_weights(self, state_dict):  # pragma: no cover - not used here
         self.inner.update_weights(state_dict)
 
@@ -137,7 +140,8 @@ def peak_rss_mb() -> float:
 @torch.no_grad()
 def hf_generate(model, tok, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int) -> int:
     """``model.generate`` on left-padded ``prompts``; the number of generated tokens (stop included)."""
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     torch.manual_seed(seed)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -190,6 +194,9 @@ class CountingEngine(RolloutEngine):
             out = self.inner.generate(prompts, params, seeds)
         self.clock.tokens += sum(len(g) for g in out)
         return out
+
+    def conversations(self):
+        return self.inner.conversations()
 
     def update_weights(self, state_dict):  # pragma: no cover - not used here
         self.inner.update_weights(state_dict)
@@ -255,15 +262,27 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--vllm", action="store_true", help="also compare the vllm backend with hf (needs `make vllm`)")
     parser.add_argument("--device", default="cpu", help="where the hf side runs (cuda on a GPU machine)")
+    parser.add_argument("--model", default=None,
+                        help="a pretrained policy folder, e.g. .state/models/smollm2-135m-instruct (default: the "
+                        "tiny policy); runs 4 groups x 4 and targets >= 2x model.generate")
+    parser.add_argument("--groups", type=int, default=None, help="env groups of 8 (default 16, quick 4, --model 4 of 4)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 3)
     n_groups, group_size, max_turn = (4 if args.quick else 16), 8, 5  # 128 (quick 32) trajectories
+    if args.model:
+        n_groups, group_size = 4, 4  # 16 conversations: about 2 tokens/s per conversation on one core
+    n_groups = args.groups or n_groups
     seed = 0
 
     t0 = time.perf_counter()
-    model, tok = build_tiny_policy(ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
+    if args.model:
+        from ragen_core.models import load_policy
+
+        model, tok = load_policy(args.model)
+    else:
+        model, tok = build_tiny_policy(ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
     model.to(args.device).eval()
     build_s = time.perf_counter() - t0
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens)
@@ -271,7 +290,7 @@ def main() -> None:
     print(
         f"rollout: SimpleSokoban {n_groups} groups x {group_size} = {n_groups * group_size} trajectories, "
         f"max_turn {max_turn}, max_new_tokens {args.max_new_tokens}, temperature 1\n"
-        f"  tiny policy: {n_params / 1e6:.2f} M params, vocab {len(tok)}, built in {build_s:.1f} s; "
+        f"  {'policy ' + args.model if args.model else 'tiny policy'}: {n_params / 1e6:.2f} M params, vocab {len(tok)}, built in {build_s:.1f} s; "
         f"torch threads {torch.get_num_threads()}"
     )
 
@@ -313,16 +332,21 @@ def main() -> None:
         f"  episodes: mean turns {mean_turns:.2f}, success {sum(t.success for t in trajs)}/{len(trajs)}; "
         f"per-turn batch sizes {engine.batch_sizes}; prompt tokens {min(engine.prompt_lens)}-"
         f"{max(engine.prompt_lens)}\n"
+        f"  prompt tokens of the last pass: {engine.inner.prefix_stats['prefilled']} prefilled, "
+        f"{engine.inner.prefix_stats['reused']} reused from the previous turn's KV cache\n"
         f"  peak RSS: {rss_first:.0f} MB after the first pass, {peak_rss_mb():.0f} MB at the end"
     )
     print()
-    target = 0.85
+    # A real model's turns are dominated by re-reading the conversation; keeping its KV cache between
+    # turns is what the target asks of (>= 2x); the tiny model's target is parity with its own generate.
+    target = 2.0 if args.model else 0.85
     vratio = None
     if args.vllm:
         vratio = vllm_vs_hf(model, tok, n_groups, group_size, max_turn, params, repeats, args.threads,
                             args.device)
         print()
-    print(f"BENCH rollout_tokens_per_s ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}")
+    name = "rollout_tokens_per_s" + ("_" + Path(args.model).name.replace("-", "_") if args.model else "")
+    print(f"BENCH {name} ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}")
     if vratio is not None:
         print(f"BENCH rollout_vllm_vs_hf ratio={vratio:.2f} target=>=1 {'PASS' if vratio >= 1 else 'MISS'}")
 

@@ -32,15 +32,22 @@ under our control:
   turn), runs the distinct prompts sorted by length in chunks of similar length (little padding;
   no attention mask at all when a chunk's lengths are equal), and writes the keys/values into a
   preallocated buffer that each decode step extends in place, instead of HF's ``DynamicCache``
-  concatenating the whole cache at every token.
+  concatenating the whole cache at every token;
+* inside :meth:`RolloutEngine.conversations` (the runner opens it around one episode batch), each
+  finished sequence's keys and values are kept, and a later prompt that extends a kept sequence
+  (the next turn: the same conversation plus the environment's reply) prefills only its new
+  tokens on top of them, as vLLM's prefix caching does. Keys are cached after the rotary
+  embedding of their own positions, which a continuation shares, so reuse changes nothing but
+  float rounding. Outside that scope nothing is kept (the weights may change between calls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -115,6 +122,12 @@ class RolloutEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the model and any worker processes."""
+
+    @contextlib.contextmanager
+    def conversations(self) -> Iterator[None]:
+        """Scope in which successive ``generate`` calls continue the same conversations (one
+        rollout: no weight update inside), so an engine may reuse work across them. No-op here."""
+        yield
 
     def __enter__(self) -> RolloutEngine:
         return self
@@ -222,6 +235,20 @@ class HFEngine(RolloutEngine):
         # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (most models)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        #: kept sequences (token ids -> their keys/values) while :meth:`conversations` is open
+        self._kept: dict[tuple[int, ...], _KeptKV] | None = None
+        #: prompt tokens prefilled and reused from kept sequences (for benchmarks and tests)
+        self.prefix_stats = {"prefilled": 0, "reused": 0}
+
+    @contextlib.contextmanager
+    def conversations(self) -> Iterator[None]:
+        """Keep each finished sequence's KV cache for the next call's continuations (see the module doc)."""
+        outer = self._kept
+        self._kept = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            self._kept = outer
 
     # ------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -241,23 +268,39 @@ class HFEngine(RolloutEngine):
         seed_list = resolve_seeds(len(prompts), params, seeds)
         chunk = self.max_batch_size or len(prompts)
         out: list[Generation] = []
+        keeping = self._kept is not None
+        # This call's continuations reuse what the previous call kept; it keeps its own for the next.
+        previous, kept = self._kept or {}, {}
+        hits = [_longest_kept_prefix(previous, p) for p in prompts]
+        del previous
         was_training = self.model.training
         self.model.eval()
         try:
             for start in range(0, len(prompts), chunk):
+                end = start + chunk
                 out.extend(
                     self._generate_batch(
-                        prompts[start : start + chunk], params, seed_list[start : start + chunk]
+                        prompts[start:end], params, seed_list[start:end], hits[start:end],
+                        kept if keeping else None,
                     )
                 )
         finally:
             self.model.train(was_training)
+            if keeping:
+                self._kept = kept
         return out
 
     @torch.no_grad()
     def _generate_batch(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: list[int]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: list[int],
+        hits: Sequence[_KeptKV | None],
+        keep: dict[tuple[int, ...], _KeptKV] | None,
     ) -> list[Generation]:
+        """Decode ``prompts``; ``hits[i]`` is a kept prefix of prompt ``i`` to start from, and each
+        finished sequence's keys/values go into ``keep`` (when given) under its token ids."""
         model = self.model
         device = model.get_input_embeddings().weight.device
         n = len(prompts)
@@ -276,11 +319,14 @@ class HFEngine(RolloutEngine):
                 ]
             )
 
-        cache, logits = self._prefill(prompts, width, max_steps, device)
-        # Left-padded attention mask over prompt + generated tokens, written in place step by step.
+        cache, logits, prompt_mask = self._prefill(prompts, width, max_steps, device, hits)
+        width = prompt_mask.shape[1]  # a kept prefix and its continuation may leave a gap of padding
+        if keep is not None and not isinstance(cache.layers[0], _buffer_layer_class()):
+            keep = None  # a stock cache (sliding-window layers): nothing to keep
+        # Attention mask over prompt + generated tokens (left padding, and the gap of a row built on
+        # a kept prefix), written in place step by step.
         mask_buf = torch.zeros((n, width + max_steps), dtype=torch.long)
-        for i, ln in enumerate(lens):
-            mask_buf[i, width - ln :] = 1
+        mask_buf[:, :width] = prompt_mask
         mask_buf = mask_buf.to(device)
         next_pos = torch.tensor(lens, dtype=torch.long, device=device)
         active = torch.arange(n)  # original index of each row still in the batch / cache
@@ -298,7 +344,7 @@ class HFEngine(RolloutEngine):
                 tok = sample_inverse_cdf(probs, uniforms[active, step]).to(device)
             tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
-            keep: list[int] = []
+            live: list[int] = []
             for row, (i, t, lp) in enumerate(
                 zip(active.tolist(), tok.tolist(), tok_lp.tolist(), strict=True)
             ):
@@ -310,11 +356,15 @@ class HFEngine(RolloutEngine):
                 elif len(g.token_ids) >= budgets[i]:
                     g.finish_reason = "length"
                 else:
-                    keep.append(row)
-            if not keep:
+                    live.append(row)
+                    continue
+                if keep is not None:  # its cache covers the prompt and every sampled token but this one
+                    cols = mask_buf[row, : width + step].nonzero().squeeze(-1)
+                    keep[(*prompts[i], *g.token_ids[:-1])] = _KeptKV.of(cache, row, cols)
+            if not live:
                 break
-            if len(keep) < len(active):  # drop finished rows so they stop costing compute
-                rows = torch.tensor(keep, dtype=torch.long)
+            if len(live) < len(active):  # drop finished rows so they stop costing compute
+                rows = torch.tensor(live, dtype=torch.long)
                 rows_dev = rows.to(device)
                 cache.batch_select_indices(rows_dev)
                 active, tok = active[rows], tok[rows_dev]
@@ -331,18 +381,29 @@ class HFEngine(RolloutEngine):
         return results
 
     def _prefill(
-        self, prompts: Sequence[Sequence[int]], width: int, extra: int, device: torch.device
-    ) -> tuple[Any, torch.Tensor]:
-        """Run the prompts through the model; returns the KV cache (left-padded to ``width``, with room
-        for ``extra`` more tokens) and each prompt's last-position logits.
+        self,
+        prompts: Sequence[Sequence[int]],
+        width: int,
+        extra: int,
+        device: torch.device,
+        hits: Sequence[_KeptKV | None],
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Run the prompts through the model; returns the KV cache (room for ``extra`` more tokens),
+        each prompt's last-position logits, and the prompts' ``(n, W)`` attention mask.
 
-        Identical prompts (the members of a group at their first turn) are computed once. The
-        distinct prompts are sorted by length and run in chunks of about :attr:`prefill_tokens`
-        tokens, so that rows of a chunk have similar lengths (little padding) and a chunk whose
-        rows all have the same length needs no attention mask (the fast causal kernel). The chunks'
-        keys and values are written, right-aligned, into one preallocated buffer per layer that the
-        decode steps then extend in place (no ``torch.cat`` of the whole cache per token).
-        Results equal one padded batch up to float rounding.
+        Rows without a kept prefix (``hits[i] is None``) are left-padded to ``W``. Identical prompts
+        (the members of a group at their first turn) are computed once. The distinct prompts are
+        sorted by length and run in chunks of about :attr:`prefill_tokens` tokens, so that rows of a
+        chunk have similar lengths (little padding) and a chunk whose rows all have the same length
+        needs no attention mask (the fast causal kernel). The chunks' keys and values are written,
+        right-aligned, into one preallocated buffer per layer that the decode steps then extend in
+        place (no ``torch.cat`` of the whole cache per token). Results equal one padded batch up to
+        float rounding.
+
+        Rows with a kept prefix of ``c`` tokens run only their ``s`` new tokens, all in one pass on
+        top of the kept keys/values: the kept part is right-aligned in ``P = max c`` columns and the
+        new part in the last ``S = max s``, so such a row has a gap of padding between the two
+        (masked; its positions continue from ``c``).
         """
         from transformers import DynamicCache
 
@@ -365,13 +426,49 @@ class HFEngine(RolloutEngine):
                 logits_to_keep=1,
                 **{self._cache_kw: cache},
             ).logits[:, -1, :]
-            return cache, logits
+            self.prefix_stats["prefilled"] += sum(len(p) for p in prompts)
+            return cache, logits, mask
+
+        hit_rows = [i for i in range(n) if hits[i] is not None]
+        miss_rows = [i for i in range(n) if hits[i] is None]
+        kept_len = [hits[i].length for i in hit_rows]  # type: ignore[union-attr]
+        new_len = [len(prompts[i]) - c for i, c in zip(hit_rows, kept_len, strict=True)]
+        span_p, span_s = max(kept_len, default=0), max(new_len, default=0)
+        total = max(max((len(prompts[i]) for i in miss_rows), default=0), span_p + span_s)
+        prompt_mask = torch.zeros((n, total), dtype=torch.long)
+        layers: list[Any] = []
+        logits: torch.Tensor | None = None
+
+        def place(out: torch.Tensor, part: Any) -> None:
+            nonlocal logits, layers
+            if logits is None:
+                logits = out.new_empty((n, out.shape[-1]))
+                layers = [_buffer_layer(layer, n, total + extra) for layer in part.layers]
+
+        if hit_rows:
+            out, part = self._prefill_continuations(
+                [prompts[i] for i in hit_rows], [hits[i] for i in hit_rows], span_p, span_s, device
+            )  # type: ignore[misc]
+            place(out, part)
+            assert logits is not None
+            rows = torch.tensor(hit_rows, device=device)
+            logits[rows] = out
+            for buf, layer in zip(layers, part.layers, strict=True):
+                buf.keys_buf[rows, :, total - span_p - span_s : total] = layer.keys
+                buf.values_buf[rows, :, total - span_p - span_s : total] = layer.values
+            for i, c, sl in zip(hit_rows, kept_len, new_len, strict=True):
+                prompt_mask[i, total - span_s - c : total - span_s] = 1
+                prompt_mask[i, total - sl :] = 1
+            self.prefix_stats["prefilled"] += sum(new_len)
+            self.prefix_stats["reused"] += sum(kept_len)
+
         index: dict[tuple[int, ...], int] = {}
-        src = [index.setdefault(tuple(p), len(index)) for p in prompts]
+        src = [index.setdefault(tuple(prompts[i]), len(index)) for i in miss_rows]
         uniq = list(index)
         rows_of: list[list[int]] = [[] for _ in uniq]
-        for i, u in enumerate(src):
+        for i, u in zip(miss_rows, src, strict=True):
             rows_of[u].append(i)
+            prompt_mask[i, total - len(prompts[i]) :] = 1
         order = sorted(range(len(uniq)), key=lambda u: len(uniq[u]))
         chunks: list[list[int]] = []
         for u in order:  # lengths ascending: the chunk's width is its last (longest) prompt's length
@@ -380,8 +477,6 @@ class HFEngine(RolloutEngine):
             else:
                 chunks.append([u])
 
-        layers: list[Any] = []
-        logits: torch.Tensor | None = None
         for chunk in chunks:
             cw = len(uniq[chunk[-1]])
             clens = [len(uniq[u]) for u in chunk]
@@ -404,21 +499,71 @@ class HFEngine(RolloutEngine):
                 logits_to_keep=1,
                 **{self._cache_kw: part},
             ).logits[:, -1, :]
-            if logits is None:
-                logits = out.new_empty((n, out.shape[-1]))
-                layers = [_buffer_layer(layer, n, width + extra) for layer in part.layers]
+            self.prefix_stats["prefilled"] += sum(clens)
+            place(out, part)
+            assert logits is not None
             for j, u in enumerate(chunk):
                 rows = torch.tensor(rows_of[u], device=device)
                 logits[rows] = out[j]
                 for buf, layer in zip(layers, part.layers, strict=True):
-                    buf.keys_buf[rows, :, width - clens[j] : width] = layer.keys[j, :, cw - clens[j] :]
-                    buf.values_buf[rows, :, width - clens[j] : width] = layer.values[j, :, cw - clens[j] :]
+                    buf.keys_buf[rows, :, total - clens[j] : total] = layer.keys[j, :, cw - clens[j] :]
+                    buf.values_buf[rows, :, total - clens[j] : total] = layer.values[j, :, cw - clens[j] :]
         for buf in layers:
-            buf.set_length(width)
+            buf.set_length(total)
         cache = DynamicCache(config=model.config)
         cache.layers = layers
         assert logits is not None
-        return cache, logits
+        return cache, logits, prompt_mask
+
+    def _prefill_continuations(
+        self,
+        prompts: Sequence[Sequence[int]],
+        kept: Sequence[_KeptKV],
+        span_p: int,
+        span_s: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward pass over the new tokens of prompts that extend kept sequences.
+
+        Row ``j``'s kept keys/values are right-aligned in the first ``span_p`` columns of the cache
+        and its new tokens right-aligned in the next ``span_s``; returns the last-position logits
+        and the cache (``span_p + span_s`` columns).
+        """
+        from transformers import DynamicCache
+
+        h = len(prompts)
+        mask = torch.zeros((h, span_p + span_s), dtype=torch.long)
+        ids = torch.full((h, span_s), self.pad_token_id, dtype=torch.long)
+        pos = torch.zeros((h, span_s), dtype=torch.long)
+        layers = [
+            _buffer_layer_class()(
+                k.new_zeros((h, k.shape[0], span_p + span_s, k.shape[-1])),
+                v.new_zeros((h, v.shape[0], span_p + span_s, v.shape[-1])),
+            )
+            for k, v in kept[0].layers
+        ]
+        for j, (prompt, entry) in enumerate(zip(prompts, kept, strict=True)):
+            c, s = entry.length, len(prompt) - entry.length
+            mask[j, span_p - c : span_p] = 1
+            mask[j, span_p + span_s - s :] = 1
+            ids[j, span_s - s :] = torch.as_tensor(list(prompt[c:]), dtype=torch.long)
+            pos[j, span_s - s :] = torch.arange(c, c + s)
+            for buf, (k, v) in zip(layers, entry.layers, strict=True):
+                buf.keys_buf[j, :, span_p - c : span_p] = k
+                buf.values_buf[j, :, span_p - c : span_p] = v
+        for buf in layers:
+            buf.set_length(span_p)
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = layers
+        out = self.model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=pos.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        ).logits[:, -1, :]
+        return out, cache
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -448,8 +593,49 @@ def _plain_layers(cache: Any) -> bool:
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+@dataclass
+class _KeptKV:
+    """A finished sequence's keys and values, one ``(heads, length, head_dim)`` pair per layer."""
+
+    length: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, cache: Any, row: int, cols: torch.Tensor) -> _KeptKV:
+        """Copy row ``row``'s columns ``cols`` (its tokens, without padding) out of a buffer cache."""
+        return cls(
+            int(cols.numel()),
+            [(layer.keys_buf[row][:, cols], layer.values_buf[row][:, cols]) for layer in cache.layers],
+        )
+
+
+def _longest_kept_prefix(kept: Mapping[tuple[int, ...], _KeptKV], prompt: Sequence[int]) -> _KeptKV | None:
+    """The longest kept sequence that ``prompt`` extends by at least one token, if any."""
+    best: tuple[int, ...] | None = None
+    n = len(prompt)
+    for ids in kept:
+        m = len(ids)
+        # cheap rejections first: a prompt matches at most its own conversation's sequence
+        if (
+            0 < m < n
+            and (best is None or m > len(best))
+            and prompt[m - 1] == ids[-1]
+            and prompt[m // 2] == ids[m // 2]
+            and tuple(prompt[:m]) == ids
+        ):
+            best = ids
+    return None if best is None else kept[best]
+
+
 def _buffer_layer(like: Any, batch: int, capacity: int) -> Any:
     """A zeroed KV-buffer cache layer shaped like the (initialised) ``DynamicLayer`` ``like``."""
+    shape = (batch, like.keys.shape[1], capacity, like.keys.shape[-1])
+    return _buffer_layer_class()(like.keys.new_zeros(shape), like.values.new_zeros((*shape[:3], like.values.shape[-1])))
+
+
+def _buffer_layer_class() -> type:
+    """The ``DynamicLayer`` subclass over preallocated buffers (defined on first use: transformers
+    is imported lazily)."""
     global _BUFFER_LAYER
     if _BUFFER_LAYER is None:
         from transformers.cache_utils import DynamicLayer
@@ -497,6 +683,4 @@ def _buffer_layer(like: Any, batch: int, capacity: int) -> Any:
                 self.batch_select_indices(beam_idx)
 
         _BUFFER_LAYER = BufferLayer
-
-    shape = (batch, like.keys.shape[1], capacity, like.keys.shape[-1])
-    return _BUFFER_LAYER(like.keys.new_zeros(shape), like.values.new_zeros((*shape[:3], like.values.shape[-1])))
+    return _BUFFER_LAYER

@@ -209,24 +209,26 @@ def run_rollouts(
         turns = [convs[env_id].turns[i] for i in played]
         return groups.messages(env_id, for_generation), turns, start
 
-    for turn in range(protocol.max_turn):
-        active = groups.active_ids()
-        if not active:
-            break
-        prompts = []
-        for env_id in active:
-            messages, turns, start = visible(env_id, True)
-            prompts.append(seg.assemble(messages, turns, start)[0])
-        seeds = [turn_seed(seed, iteration, split, env_id, turn) for env_id in active]
-        gens: list[Generation] = engine.generate(prompts, params, seeds)
-        responses = {}
-        for env_id, gen in zip(active, gens, strict=True):
-            ids = list(gen.token_ids)
-            closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
-            convs[env_id].turns.append(_Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed))
-            responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
-        groups.step(responses)
-        progress.turn_done(turn, len(groups.active_ids()))
+    # A turn's prompt continues the conversation of the turn before: the engine may reuse its KV cache.
+    with engine.conversations():
+        for turn in range(protocol.max_turn):
+            active = groups.active_ids()
+            if not active:
+                break
+            prompts = []
+            for env_id in active:
+                messages, turns, start = visible(env_id, True)
+                prompts.append(seg.assemble(messages, turns, start)[0])
+            seeds = [turn_seed(seed, iteration, split, env_id, turn) for env_id in active]
+            gens: list[Generation] = engine.generate(prompts, params, seeds)
+            responses = {}
+            for env_id, gen in zip(active, gens, strict=True):
+                ids = list(gen.token_ids)
+                closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
+                convs[env_id].turns.append(_Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed))
+                responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
+            groups.step(responses)
+            progress.turn_done(turn, len(groups.active_ids()))
 
     out = []
     for ep in groups.trajectories():

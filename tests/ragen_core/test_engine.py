@@ -198,6 +198,52 @@ def test_max_new_tokens_and_context_limit(model, tokenizer, prompts):
         HFEngine(model, tokenizer, max_model_len=10_000)
 
 
+def test_a_continuation_prefills_only_its_new_tokens_and_matches_a_full_prefill(model, tokenizer, prompts):
+    """Inside ``conversations()``, the next turn (prompt + its sampled tokens + new text) runs on the
+    kept keys/values of the last turn: the same greedy tokens and log-probs as a full prefill, and
+    only the new tokens prefilled. Mixed batches (some rows new) and micro-batches work alike."""
+    params = SamplingParams(temperature=0, max_new_tokens=7, stop_token_ids=[])
+    g = torch.Generator().manual_seed(3)
+    news = [torch.randint(3, len(tokenizer), (k,), generator=g).tolist() for k in (4, 1, 11, 6, 2, 9)]
+    fresh = [torch.randint(3, len(tokenizer), (k,), generator=g).tolist() for k in (5, 13)]
+    for max_batch_size in (None, 3):
+        eng = HFEngine(model, tokenizer, max_batch_size=max_batch_size)
+        with eng.conversations():
+            first = eng.generate(prompts, params)
+            second_prompts = [p + f.token_ids + x for p, f, x in zip(prompts, first, news, strict=True)] + fresh
+            before = dict(eng.prefix_stats)
+            second = eng.generate(second_prompts, params)
+        reused = eng.prefix_stats["reused"] - before["reused"]
+        prefilled = eng.prefix_stats["prefilled"] - before["prefilled"]
+        assert reused == sum(len(p) + len(f.token_ids) - 1 for p, f in zip(prompts, first, strict=True))
+        assert prefilled == sum(len(x) + 1 for x in news) + sum(map(len, fresh))
+        want = HFEngine(model, tokenizer).generate(second_prompts, params)
+        for got, ref in zip(second, want, strict=True):
+            assert got.token_ids == ref.token_ids
+            assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        # a third turn builds on the second's kept sequences (a gap of padding inside the cache)
+        with eng.conversations():
+            eng.generate(prompts, params)
+            eng.generate(second_prompts, params)
+            third_prompts = [p + s.token_ids + [7] for p, s in zip(second_prompts, second, strict=True)]
+            third = eng.generate(third_prompts, params)
+        want3 = HFEngine(model, tokenizer).generate(third_prompts, params)
+        assert [t.token_ids for t in third] == [w.token_ids for w in want3]
+
+
+def test_nothing_is_kept_outside_conversations(model, tokenizer, prompts):
+    eng = HFEngine(model, tokenizer)
+    params = SamplingParams(temperature=0, max_new_tokens=4, stop_token_ids=[])
+    first = eng.generate(prompts, params)
+    eng.generate([p + f.token_ids + [5] for p, f in zip(prompts, first, strict=True)], params)
+    assert eng.prefix_stats["reused"] == 0
+    with eng.conversations():
+        eng.generate(prompts, params)
+    with eng.conversations():  # a new scope starts empty (weights may have changed in between)
+        eng.generate([p + f.token_ids + [5] for p, f in zip(prompts, first, strict=True)], params)
+    assert eng.prefix_stats["reused"] == 0
+
+
 def test_sampler_filters():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0]])
     p = filtered_probs(logits, 1.0, top_k=2, top_p=1.0)

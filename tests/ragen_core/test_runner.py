@@ -12,7 +12,7 @@ import torch
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models import ModelConfig, build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, PromptTooLongError, SamplingParams
+from ragen_core.rollout.engine import HFEngine, PromptTooLongError, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
 from ragen_core.trajectory import read_trajectories, write_trajectories
 
@@ -55,6 +55,31 @@ def spans(mask):
             runs.append((start, i))
             start = None
     return runs
+
+
+class NoReuseEngine(HFEngine):
+    """HFEngine with a full prefill every turn (its ``conversations`` is the base class's no-op)."""
+
+    conversations = RolloutEngine.conversations
+
+
+def test_turns_reuse_the_kv_cache_and_give_the_same_trajectories(policy):
+    model, tok = policy
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+
+    def play(engine):
+        groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[6], group_size=2),
+                           ProtocolConfig(max_turn=3))
+        return run_rollouts(groups, engine, tok, params, seed=5, iteration=1)
+
+    reuse, full = HFEngine(model, tok), NoReuseEngine(model, tok)
+    a, b = play(reuse), play(full)
+    assert max(t.turn_count for t in a) >= 2
+    assert reuse.prefix_stats["reused"] > reuse.prefix_stats["prefilled"] > 0
+    assert full.prefix_stats["reused"] == 0
+    assert [t.input_ids for t in a] == [t.input_ids for t in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.rollout_logprobs == pytest.approx(y.rollout_logprobs, abs=1e-5)
 
 
 def test_logprobs_agree_and_mask_covers_exactly_the_sampled_tokens(policy):
