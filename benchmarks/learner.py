@@ -1,7 +1,7 @@
 """Learner step throughput against a bare PyTorch training loop on the same model and tokens.
 
 Model: ``Qwen2ForCausalLM`` hidden 128, 2 layers, 4 heads, 2 KV heads, tied embeddings, vocab 2048
-(the tiny model of platform-notes.md); batch 32 sequences x 256 tokens, 200 of them trained
+(a tiny Qwen2 model, hidden 128); batch 32 sequences x 256 tokens, 200 of them trained
 (loss mask), one group per 8 sequences.
 
 Accounting. The learner does several model passes per step; the bare loop measures each kind of

@@ -2,10 +2,11 @@
 
 RAGEN scores Countdown answers with Python's ``eval`` (builtins removed) behind a character regex.
 That still lets a policy write ``9**9**9`` (the regex admits ``*``) and hang a rollout worker, and
-any slip in the regex would hand code execution to a model under RL pressure. Decision 11 replaces it
-with this module: a hand-written tokenizer and recursive-descent parser over a tiny grammar, exact
-rational arithmetic (:class:`fractions.Fraction`, so ``6 / 4 * 2`` is exactly 3 and no float
-tolerance is needed), and hard limits that bound the work on any input.
+any slip in the regex would hand code execution to a model under RL pressure. We replace it with
+this module (docs/architecture.md, "Deliberate differences from RAGEN": Countdown scoring): a
+hand-written tokenizer and recursive-descent parser over a tiny grammar, exact rational arithmetic
+(:class:`fractions.Fraction`, so ``6 / 4 * 2`` is exactly 3 and no float tolerance is needed), and
+hard limits that bound the work on any input.
 
 Grammar (usual precedence, left-associative binary operators)::
 

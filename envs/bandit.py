@@ -1,10 +1,11 @@
 """Bi-arm Bandit: a single-turn, stochastic game about reading meaning into names.
 
-Two arms are offered under symbolic names (``Phoenix`` / ``Dragon``, ``Trader`` / ``Librarian``). The
-low-risk arm always pays ``lo_arm_score`` (0.1 as in RAGEN's code, decision 1; the paper's 0.15 is a
-config value away). The high-risk arm pays ``hi_arm_hiscore`` with probability
-``hi_arm_hiscore_prob`` and ``hi_arm_loscore`` otherwise, so its expectation (0.25 by default) beats
-the safe arm. Success means choosing the high arm, whatever it happened to pay.
+Two arms are offered under symbolic names (``Phoenix`` / ``Dragon``, ``Trader`` / ``Librarian``).
+The low-risk arm always pays ``lo_arm_score`` (0.1 as in RAGEN's code; the paper's 0.15 is a config
+value away: docs/architecture.md, "Deliberate differences from RAGEN": Bandit low arm). The
+high-risk arm pays ``hi_arm_hiscore`` with probability ``hi_arm_hiscore_prob`` and
+``hi_arm_loscore`` otherwise, so its expectation (0.25 by default) beats the safe arm. Success means
+choosing the high arm, whatever it happened to pay.
 
 Randomness follows RAGEN exactly: ``reset(seed)`` seeds a local ``numpy.random.Generator``
 (``default_rng(seed)``, what gymnasium's ``reset(seed=...)`` builds); its first uniform draw decides the

@@ -83,7 +83,9 @@ def invalid_step(observation: str) -> StepResult:
 
 
 def format_reward(x: float) -> str:
-    """Reward text shown to the model: at most 2 decimals (decision 14).
+    """Reward text shown to the model: at most 2 decimals.
+
+    See docs/architecture.md, "Deliberate differences from RAGEN": reward text.
 
     RAGEN printed the raw float repr (``-0.30000000000000004``); we round to 2 decimals and keep
     Python's float look otherwise (``1.0``, ``-0.3``, ``10.55``). ``-0.0`` prints as ``0.0``.

@@ -1,8 +1,9 @@
 """Countdown: combine the given numbers with + - * / to reach a target (single turn, free text).
 
-Puzzles (decision 11). RAGEN reads the HF dataset ``Jiayi-Pan/Countdown-Tasks-3to4`` and keeps only
-puzzles solvable with + and - (quirk 11). We generate each puzzle from the seed instead, with a local
-``random.Random(seed)`` (the same seed gives the same puzzle in any process): draw 3 or 4 numbers
+Puzzles (docs/architecture.md, "Deliberate differences from RAGEN": Countdown puzzles). RAGEN reads
+the HF dataset ``Jiayi-Pan/Countdown-Tasks-3to4`` and keeps only puzzles solvable with + and -. We
+generate each puzzle from the seed instead, with a local ``random.Random(seed)`` (the same seed
+gives the same puzzle in any process): draw 3 or 4 numbers
 (``num_count``) in ``[min_number, max_number]``, then combine them in a random order with random
 operators whose results stay exact positive integers (``a - b`` only when ``a > b``, ``a / b`` only
 when ``b`` divides ``a``, products up to :data:`MAX_INTERMEDIATE`) until the result lands in

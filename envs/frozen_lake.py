@@ -1,7 +1,8 @@
 """FrozenLake: a multi-turn, stochastic grid walk to a goal between holes.
 
-Behaviour follows RAGEN (spec 2.4), which wraps gymnasium's ``FrozenLake-v1``; the dynamics are
-re-implemented here so that ``envs`` needs only numpy (gymnasium is a test-only reference).
+Behaviour follows RAGEN (see docs/architecture.md, "Environment API"), which wraps gymnasium's
+``FrozenLake-v1``; the dynamics are re-implemented here so that ``envs`` needs only numpy (gymnasium
+is a test-only reference).
 
 * **Map from the seed**, RAGEN's generator call for call: a ``numpy.random.default_rng(seed)`` draws
   a board of frozen (``F``, probability ``p``) and hole (``H``) cells, then a start and a goal cell

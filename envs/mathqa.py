@@ -1,10 +1,11 @@
 """MathQA: answer a math question (single turn by default, free text), MetaMathQA's format.
 
-Data (decision 12). RAGEN downloads ``meta-math/MetaMathQA`` from the Hugging Face hub at
-construction. We read a local file instead: ``data_path`` is a ``.jsonl`` or ``.parquet`` file with
-MetaMathQA's fields, ``query`` (the question shown to the model) and ``response`` (a worked solution
-ending in ``"The answer is: <gold>"``; the gold answer is the text after the last such marker, the
-whole response when there is none, as in RAGEN). Rows with ``question``/``answer`` fields (the gold
+Data (docs/architecture.md, "Deliberate differences from RAGEN": MathQA data and attempts). RAGEN
+downloads ``meta-math/MetaMathQA`` from the Hugging Face hub at construction. We read a local file
+instead: ``data_path`` is a ``.jsonl`` or ``.parquet`` file with MetaMathQA's fields, ``query`` (the
+question shown to the model) and ``response`` (a worked solution ending in
+``"The answer is: <gold>"``; the gold answer is the text after the last such marker, the whole
+response when there is none, as in RAGEN). Rows with ``question``/``answer`` fields (the gold
 answer given directly) are accepted too. The default is the shipped ``envs/data/mathqa_arith.jsonl``:
 500 one- and two-step arithmetic problems written by :func:`generate_arith_set` (seed 0), small
 enough for tests and CPU demos; point ``data_path`` at the real MetaMathQA for paper runs.
@@ -15,7 +16,7 @@ Each ``step(answer)`` is one attempt: correct at attempt ``k`` (from 0) pays ``1
 episode and says ``"Correct!"``; a wrong answer pays 0 and says ``"Incorrect. Please think again."``.
 After ``max_attempts`` attempts the episode ends. The default, 1, matches the tag's action budget
 (``max_actions_per_traj = 1``), so the 1/2^k schedule is consistent with what can actually run
-(quirk 12); raise both together for multi-attempt training.
+(in RAGEN, with a budget of 1, it is not); raise both together for multi-attempt training.
 
 Correctness. RAGEN's rule: lowercase both strings, remove all whitespace, compare. We add one
 conservative equivalence (``numeric_match``, on by default): when both normalised strings are plain

@@ -1,9 +1,10 @@
 """Sokoban: a multi-turn, deterministic puzzle; push every box onto a target.
 
-Dynamics, rewards and rendering follow RAGEN (which wraps ``gym_sokoban``, spec section 2.3):
-actions ``Up/Down/Left/Right`` are *push* actions (walk, or push the box in front if the cell beyond
-it is free; never pull); each step costs 0.1, a box pushed onto a target earns +1, off a target -1,
-and solving earns +10, so one box solved in ``n`` actions totals ``11 - 0.1 n``.
+Dynamics, rewards and rendering follow RAGEN (which wraps ``gym_sokoban``; see
+docs/architecture.md, "Environment API"): actions ``Up/Down/Left/Right`` are *push* actions (walk,
+or push the box in front if the cell beyond it is free; never pull); each step costs 0.1, a box
+pushed onto a target earns +1, off a target -1, and solving earns +10, so one box solved in ``n``
+actions totals ``11 - 0.1 n``.
 
 Rooms are generated from the seed alone, in the spirit of ``gym_sokoban``'s generator:
 
@@ -17,7 +18,8 @@ Rooms are generated from the seed alone, in the spirit of ``gym_sokoban``'s gene
 4. *Player shuffle*: with probability 0.8 (box displaced by 1) else 0.5, the player walks 1-3 random
    steps, so it does not always start next to the box it last pulled.
 
-Where we depart from the reference, and why (spec section 11, decision 10):
+Where we depart from the reference, and why (listed with the others in docs/architecture.md,
+"Deliberate differences from RAGEN"):
 
 - Each attempt draws from its own local ``random.Random`` seeded by a hash of ``(seed, attempt)``
   (``blake2b``, not Python's per-process ``hash``): a failed attempt retries with the next derived
@@ -28,7 +30,8 @@ Where we depart from the reference, and why (spec section 11, decision 10):
   actions (checked with :func:`envs.sokoban_solver.solve`) and retries with the next derived seed.
   Set it to the tag's action budget so that every room can be solved within the budget; without it a
   6x6 room may need more actions than a 10-action episode allows.
-- SokobanNewVocab's legend (``grid_vocab``) names the symbols actually drawn (decision 9).
+- SokobanNewVocab's legend (``grid_vocab``) names the symbols actually drawn (item "Grid legend"
+  there).
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
 
 
 class RolloutConfig(BaseModel):
-    """Generation settings (spec 3.3 and 6.1) and the StarPO-S filter (spec 5.1)."""
+    """Generation settings (RAGEN's defaults) and the StarPO-S filter (docs/architecture.md, "Agent text
+    protocol" and "Algorithms contract")."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,11 +1,12 @@
 """Env groups: the P x N environment instances of a rollout and their episode bookkeeping.
 
-This is RAGEN's ``es_manager`` (``ragen-spec.md`` 2.9 and 4.1-4.3): P groups ("initial states"),
-N rollouts per group sharing the group's seed, per-episode action budget, format penalty,
-termination, and the per-tag metrics. It is text only: a rollout runner (text or token level)
-asks for each live env's prompt (:meth:`EnvGroups.messages`, or the protocol pieces over
-:meth:`EnvGroups.history`), samples, and hands the replies back to :meth:`EnvGroups.step`.
-Instances are built once and re-seeded at every :meth:`EnvGroups.reset`, as in RAGEN.
+This is RAGEN's ``es_manager`` (docs/architecture.md, "Env groups and seeds" and "Agent text
+protocol"): P groups ("initial states"), N rollouts per group sharing the group's seed, per-episode
+action budget, format penalty, termination, and the per-tag metrics. It is text only: a rollout
+runner (text or token level) asks for each live env's prompt (:meth:`EnvGroups.messages`, or the
+protocol pieces over :meth:`EnvGroups.history`), samples, and hands the replies back to
+:meth:`EnvGroups.step`. Instances are built once and re-seeded at every :meth:`EnvGroups.reset`, as
+in RAGEN.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ class EnvGroups:
         return self._states[env_id].history
 
     def seeds_for(self, iteration: int | None = None) -> list[int]:
-        """Per-env seeds of a reset (spec 4.2), without resetting.
+        """Per-env seeds of a reset (docs/architecture.md, "Env groups and seeds"), without resetting.
 
         train: group ``i`` gets ``base + iteration * P + i``; val: always ``base + i``. All N
         members of a group share the seed.
@@ -313,12 +314,13 @@ class EnvGroups:
     def step(self, responses: dict[int, str]) -> dict[int, StepOutcome]:
         """Play one turn in each env of ``responses`` (env_id -> forced prefix + generated text).
 
-        Per env (spec 2.9): parse; charge the format penalty once if the turn is malformed;
-        truncate the actions to the remaining budget; execute them in order and stop at the first
-        ``done``. The turn reward is the sum of the executed actions' rewards, the info that of the
-        last one (merged over the executed actions, so keys only some actions report survive).
-        The episode ends when the env says done (success iff ``info["success"]``), when the budget
-        is spent (truncated) or after ``max_turn`` turns (truncated).
+        Per env (docs/architecture.md, "Agent text protocol"): parse; charge the format penalty once
+        if the turn is malformed; truncate the actions to the remaining budget; execute them in
+        order and stop at the first ``done``. The turn reward is the sum of the executed actions'
+        rewards, the info that of the last one (merged over the executed actions, so keys only some
+        actions report survive). The episode ends when the env says done (success iff
+        ``info["success"]``), when the budget is spent (truncated) or after ``max_turn`` turns
+        (truncated).
         """
         if not self._reset_done:
             raise RuntimeError("EnvGroups.step() before reset()")
@@ -420,7 +422,7 @@ class EnvGroups:
         return out
 
     def metrics(self) -> dict[str, float]:
-        """Rollout metrics (spec 4.3 / 7), unprefixed (the caller adds ``train/`` or ``val-env/``).
+        """Rollout metrics (docs/metrics.md), unprefixed (the caller adds ``train/`` or ``val-env/``).
 
         Per env: ``success``, ``num_actions``, and for every numeric info key except ``success`` the
         sum over turns / number of turns (a turn that executed nothing contributes 0 but counts).

@@ -1,12 +1,13 @@
 """The learner: one PPO / GRPO / StarPO update of a policy (and its critic) on a batch of trajectories.
 
-``Learner.step(batch)`` reads top to bottom like veRL's / CleanRL's update (spec section 5):
+``Learner.step(batch)`` reads top to bottom like veRL's / CleanRL's update (docs/architecture.md,
+"Learner step"):
 
 1. check the batch (nothing is modified when it is bad);
 2. old log-probs of the sampled tokens under the current policy (no grad, temperature 1), the
    reference policy's log-probs (only when a KL term is on) and the critic's values (only for GAE);
-3. token rewards: the trajectory score on its last trained token (spec 3.4), minus
-   ``kl_coef`` x KL(old || ref) on every trained token when ``use_kl_in_reward``;
+3. token rewards: the trajectory score on its last trained token (docs/architecture.md, "Trajectory
+   schema"), minus ``kl_coef`` x KL(old || ref) on every trained token when ``use_kl_in_reward``;
 4. advantages with ``ragen_core.algorithms`` (GAE + whitening, bi-level GAE, GRPO, RLOO,
    REINFORCE++);
 5. the critic update (first, as veRL), then the actor update: ``ppo_epochs`` x mini-batches, each
@@ -14,12 +15,12 @@
    *global* token counts (so the result does not depend on ``micro_batch_size`` nor, in a
    data-parallel group, on the number of learners), gradient clipping (the pre-clip norm is
    reported), and a skipped optimiser step when the gradient norm is not finite;
-6. metrics with RAGEN / veRL names (spec section 7).
+6. metrics with RAGEN / veRL names (docs/metrics.md).
 
-Token alignment (spec decision 4): ``loss_mask[b, t] = 1`` says token t was sampled by the policy.
-Its log-prob and its value come from the model's output at position t - 1 (the state before the
-token was chosen); every per-token tensor here is indexed by the *target* position t, and position
-0 (nothing before it) is never trained.
+Token alignment (docs/architecture.md, "Trajectory schema"): ``loss_mask[b, t] = 1`` says token t
+was sampled by the policy. Its log-prob and its value come from the model's output at position t - 1
+(the state before the token was chosen); every per-token tensor here is indexed by the *target*
+position t, and position 0 (nothing before it) is never trained.
 
 Data parallelism: when ``torch.distributed`` is initialised with more than one process, every
 learner receives the whole batch, computes old log-probs / values for its contiguous share of the
@@ -102,7 +103,8 @@ class CheckpointError(ValueError):
 
 
 class AlgorithmConfig(BaseModel):
-    """Advantage estimator, losses and KL terms (spec 5.2-5.5; defaults of RAGEN's base.yaml)."""
+    """Advantage estimator, losses and KL terms (defaults of RAGEN's base.yaml; docs/architecture.md,
+    "Learner step")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -190,7 +192,7 @@ class AlgorithmConfig(BaseModel):
 
 
 class OptimConfig(BaseModel):
-    """Optimisers and batching (spec 5.6; veRL defaults)."""
+    """Optimisers and batching (veRL defaults; docs/architecture.md, "Learner step")."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,6 @@
-"""The Echo-Trap monitor: early signals of RAGEN's training collapse (spec 8.2, Finding 3 / Fig. 6).
+"""The Echo-Trap monitor: early signals of RAGEN's training collapse (paper: Finding 3 / Fig. 6).
+
+The signals and their thresholds are listed in docs/metrics.md, "Echo-Trap signals".
 
 RAGEN observes that multi-turn RL collapses into an "Echo Trap" (near-identical, repetitive
 reasoning; Table 1) and that three training statistics announce it:

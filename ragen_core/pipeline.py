@@ -1,9 +1,10 @@
 """A training run as plain functions over a run directory: the stages the Prefect flows wrap.
 
-The run directory is the single source of truth (architecture.md): every stage reads its inputs
-from it and writes its outputs into it, so any stage of any iteration can be rerun from disk, and a
-run killed at any point resumes from its last completed iteration. Iterations are numbered from 1;
-step 0 is the policy before training (its validation, if configured).
+The run directory is the single source of truth (full map: docs/architecture.md, "Run directory"):
+every stage reads its inputs from it and writes its outputs into it, so any stage of any iteration
+can be rerun from disk, and a run killed at any point resumes from its last completed iteration.
+Iterations are numbered from 1; step 0 is the policy before training (its validation, if
+configured).
 
     <run>/config.yaml, run.json                 the config and the run's identity
     <run>/init_policy/                          the starting policy (after the warm start)

@@ -1,12 +1,13 @@
 """The agent text protocol: instruction prefix, chat messages, format hint, answer parsing.
 
 This is RAGEN's ``ctx_manager`` reduced to its text: what the model is shown each turn and how its
-reply is turned into environment actions (``ragen-spec.md`` sections 3.1-3.3, 3.5, with the
-ragen-flow decisions 9, 14 and 16). Nothing here tokenises: the token-level runner builds on the
-same pieces (:func:`system_content`, :func:`first_user_content`, :func:`next_user_content`) so
-that it can grow a conversation turn by turn, appending the environment's text as new tokens
-after the sampled ones instead of re-rendering (and re-tokenising) the whole conversation.
-:func:`build_messages` is, by construction and by test, exactly the composition of those pieces.
+reply is turned into environment actions (docs/architecture.md, "Agent text protocol"; where it
+departs from RAGEN: "Deliberate differences from RAGEN" there). Nothing here tokenises: the
+token-level runner builds on the same pieces (:func:`system_content`, :func:`first_user_content`,
+:func:`next_user_content`) so that it can grow a conversation turn by turn, appending the
+environment's text as new tokens after the sampled ones instead of re-rendering (and re-tokenising)
+the whole conversation. :func:`build_messages` is, by construction and by test, exactly the
+composition of those pieces.
 """
 
 from __future__ import annotations
@@ -115,9 +116,10 @@ class _EnvLike(Protocol):
 
 
 def instruction_prefix(spec: _SpecLike, env: _EnvLike, cfg: ProtocolConfig) -> str:
-    """The per-tag instruction that opens the first user message (spec 3.1).
+    """The per-tag instruction that opens the first user message (docs/architecture.md, "Agent text
+    protocol").
 
-    The legend is taken from the env instance's ``grid_vocab`` (decision 9: it describes the
+    The legend is taken from the env instance's ``grid_vocab`` (it describes the
     symbols actually drawn, unlike RAGEN which used the dataclass default) and the action list
     from ``env.actions``; free-text envs (``actions is None``) get neither the list nor the
     budget line, as in RAGEN. Call it after ``reset`` if an env's vocabulary depends on the seed.
@@ -144,7 +146,8 @@ def forced_prefix(cfg: ProtocolConfig) -> str:
 
 
 def format_hint(cfg: ProtocolConfig) -> str:
-    """The output format the model is told to follow each turn (spec 3.2 / 3.5)."""
+    """The output format the model is told to follow each turn (docs/architecture.md, "Agent text
+    protocol")."""
     if cfg.enable_think:
         return "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
     return "<answer> [your answer] </answer>"
@@ -156,7 +159,7 @@ class TurnRecord:
     has been played, what the model answered and what it did.
 
     A history is ``[played, played, ..., pending]``: ``reset`` appends a pending record (no
-    response) and each step fills the pending one and appends the next (spec 3.2).
+    response) and each step fills the pending one and appends the next, as in RAGEN's ``ctx_manager``.
     """
 
     state: str
@@ -180,7 +183,7 @@ def system_content(cfg: ProtocolConfig) -> str:
 
 
 def state_content(record: TurnRecord, cfg: ProtocolConfig, max_tokens: int) -> str:
-    """The state block of one turn (spec 3.2)."""
+    """The state block of one turn (docs/architecture.md, "Agent text protocol")."""
     return (
         f"State:\n{record.state}\nYou have {record.actions_left} actions left. "
         f"Always output: {format_hint(cfg)} with no extra text. Strictly follow this format. "
@@ -220,7 +223,7 @@ def build_messages(
     max_tokens: int,
     for_generation: bool = True,
 ) -> list[Message]:
-    """The chat messages of one trajectory (spec 3.2).
+    """The chat messages of one trajectory (docs/architecture.md, "Agent text protocol").
 
     ``for_generation=True``: the prompt for the next turn; ends with a user message (the pending
     record's state, or the last reward if the history has no pending record).
@@ -229,8 +232,9 @@ def build_messages(
     assistant message.
 
     ``cfg.max_context_window = k > 0`` keeps the last ``k`` records *after* that drop, numbered
-    from 1 (decision 16): the training window of the last turn is then exactly the prompt the model
-    saw when it generated that turn, plus its response.
+    from 1: the training window of the last turn is then exactly the prompt the model saw when it
+    generated that turn, plus its response (docs/architecture.md, "Deliberate differences from
+    RAGEN": context window).
     """
     records = list(history)
     if not for_generation:
@@ -350,7 +354,7 @@ def _strip_special(s: str) -> str:
 
 
 def parse_response(text: str, cfg: ProtocolConfig, valid_actions: Sequence[str] | None = None) -> ParsedResponse:
-    """Read one reply (spec 3.3). Never raises.
+    """Read one reply (docs/architecture.md, "Agent text protocol"). Never raises.
 
     ``text`` must be ``forced_prefix(cfg) + generated_text`` (the generation prompt ends with the
     forced prefix, so the sampled text does not repeat it). ``valid_actions`` is the env's action

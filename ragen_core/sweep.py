@@ -27,7 +27,7 @@ The report (``build_report``) is built from MLflow alone: the parent run's child
 ``ragen.sweep_error``), status, start/end times and metric histories. No run directory is read,
 so ``ragen sweep report PARENT_RUN_ID`` works on any machine that sees the tracking store.
 
-No MLflow import here (architecture rule): the store is reached through ``ragen_core.tracking``.
+No MLflow import here (docs/architecture.md, "Layers"): the store is reached through ``ragen_core.tracking``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MLflow tracking for ragen-flow: one MLflow run per training run, batched, resumable, fail-fast.
 
-This is the only module that imports ``mlflow`` (architecture rule), and it imports it lazily, so
+This is the only module that imports ``mlflow`` (docs/architecture.md, "Layers"), and it imports it lazily, so
 that reading a ``TrackingConfig`` costs nothing.
 
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the

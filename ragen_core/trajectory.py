@@ -1,7 +1,7 @@
 """The trajectory table: one row per multi-turn trajectory, stored as versioned, zstd Parquet.
 
-The table is the hand-off between the rollout stage and the learner (architecture.md, "Trajectory
-table"). Files are written atomically (temporary file in the same folder, fsync, rename) so that a
+The table is the hand-off between the rollout stage and the learner (docs/architecture.md, "Trajectory
+schema"). Files are written atomically (temporary file in the same folder, fsync, rename) so that a
 crash never leaves a half-written file in place of a good one, and they carry their schema version
 in the Parquet key-value metadata. Reading checks both and names the file in every error.
 

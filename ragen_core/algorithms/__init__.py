@@ -2,7 +2,7 @@
 
 Every function takes tensors (token tensors are ``(B, T)`` with a ``mask`` of trained tokens, or
 per-trajectory ``(N,)`` scores with group ids) and returns tensors; each docstring gives its
-formula. Public contract: see architecture.md, section "Algorithms".
+formula. Public contract: docs/architecture.md, "Algorithms contract".
 """
 
 from ragen_core.algorithms.advantages import bilevel_gae, gae, grpo, reinforce_pp, rloo, whiten

@@ -3,7 +3,8 @@
 Conventions (shared by every function here):
 
 - Token tensors have shape ``(B, T)``: B trajectories, T token positions. ``mask`` marks the
-  trained tokens (the assistant tokens, spec decision 4); it may be bool or 0/1 numbers.
+  trained tokens (the tokens the policy sampled, docs/architecture.md, "Trajectory schema"); it
+  may be bool or 0/1 numbers.
 - Recursions run over the masked tokens *in order and skipping the rest*: the successor of a
   masked token is the next masked token of the same row, wherever it is. The environment's
   observation tokens between two assistant turns therefore neither discount nor carry value,
@@ -123,7 +124,7 @@ def bilevel_gae(
     lam: float = 1.0,
     high_level_gamma: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bi-level (turn-level) GAE (RAGEN ``bi_level_gae``; spec 5.2 and decision 8).
+    """Bi-level (turn-level) GAE (RAGEN ``bi_level_gae``; docs/architecture.md, "Algorithms contract").
 
     Turns come from the turn structure: ``turn_index[b, t] = k`` says masked token t of row b
     belongs to turn k. The end e_k of turn k is its last masked token; a turn with no masked token
@@ -239,7 +240,10 @@ def grpo(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO group-relative advantage per trajectory (Shao et al. 2024; spec 5.2, decision 6).
+    """GRPO group-relative advantage per trajectory (Shao et al. 2024).
+
+    Groups are the initial-state groups (docs/architecture.md, "Deliberate differences from RAGEN":
+    GRPO groups).
 
         A_i = (s_i − mean_g) / (std_g + eps)    (norm_by_std; else A_i = s_i − mean_g)
 

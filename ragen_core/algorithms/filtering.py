@@ -1,4 +1,7 @@
-"""StarPO-S rollout filtering: keep the groups whose rewards vary most (spec 5.1, decisions 5 and 13).
+"""StarPO-S rollout filtering: keep the groups whose rewards vary most.
+
+See docs/architecture.md, "Algorithms contract", and for the statistic and the group count
+docs/architecture.md, "Deliberate differences from RAGEN".
 
 A *group* is the set of trajectories that share an initial state (same seed). The filter ranks
 groups by the unbiased std of their trajectory scores and keeps whole groups; the batch shrinks,

@@ -1,5 +1,7 @@
 """Losses: PPO clipped surrogate, clipped value loss, KL estimators, entropy, and loss aggregation.
 
+The contract of these functions is summarised in docs/architecture.md, "Algorithms contract".
+
 Token tensors have shape ``(B, T)`` with ``mask`` marking the trained tokens (bool or 0/1).
 Losses keep the autograd graph; metrics are detached 0-dim tensors (the caller calls ``.item()``
 once per step, avoiding a device sync per metric). An all-zero mask gives a zero loss (still
@@ -45,7 +47,10 @@ def agg_loss(
     global_token_count: float | int | torch.Tensor | None = None,
     global_seq_count: float | int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Aggregate a (B, T) per-token loss into a scalar (spec 5.3, decision 15).
+    """Aggregate a (B, T) per-token loss into a scalar.
+
+    Why ``token-mean`` is global: docs/architecture.md, "Deliberate differences from RAGEN": loss
+    aggregation.
 
     With m the mask, N_tok = ``global_token_count`` and N_seq = ``global_seq_count``:
 
@@ -99,7 +104,7 @@ def policy_loss(
     global_token_count: float | int | torch.Tensor | None = None,
     global_seq_count: float | int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with clip-higher and dual clip (veRL ``compute_policy_loss``, spec 5.3).
+    """PPO clipped surrogate with clip-higher and dual clip (veRL ``compute_policy_loss``).
 
         ρ_t  = exp(logπ_t − logπ_old,t)                  (log-ratio clamped to ±20)
         L1   = −A_t·ρ_t
@@ -149,7 +154,7 @@ def value_loss(
     global_token_count: float | int | torch.Tensor | None = None,
     global_seq_count: float | int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (veRL ``compute_value_loss``, spec 5.5).
+    """Clipped value loss (veRL ``compute_value_loss``).
 
         V^clip_t = V_old,t + clip(V_t − V_old,t, −ε_v, ε_v)       (ε_v = ``clip``; None disables)
         loss     = ½ · agg(max((V_t − R_t)², (V^clip_t − R_t)²), mask)
@@ -171,7 +176,7 @@ def value_loss(
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token KL(π‖π_ref) estimate from sampled-token log-probs (Schulman's k1/k2/k3; spec 5.4).
+    """Per-token KL(π‖π_ref) estimate from sampled-token log-probs (Schulman's k1/k2/k3).
 
     With Δ = logπ − logπ_ref:
         k1  (alias "kl"):          Δ

@@ -1,12 +1,12 @@
 """The multi-turn rollout runner: env groups x a rollout engine -> token-exact trajectories.
 
-Token-in, token-out (architecture.md): a trajectory's training sequence is the prompt tokens the
-policy saw plus the token ids it sampled. Text the policy did not write (chat template, forced
-``<think>``/``<answer>`` prefix, environment feedback) is encoded on its own and masked out of the
-loss; sampled ids are never decoded and re-encoded for training. The text between two assistant
-turns is taken from the tokenizer's own chat template (the difference between consecutive
-renderings), so any chat model whose template is prefix-stable works, and one that is not (e.g. a
-template that rewrites earlier turns) is refused with a clear error.
+Token-in, token-out (docs/architecture.md, "Trajectory schema"): a trajectory's training sequence is
+the prompt tokens the policy saw plus the token ids it sampled. Text the policy did not write (chat
+template, forced ``<think>``/``<answer>`` prefix, environment feedback) is encoded on its own and
+masked out of the loss; sampled ids are never decoded and re-encoded for training. The text between
+two assistant turns is taken from the tokenizer's own chat template (the difference between
+consecutive renderings), so any chat model whose template is prefix-stable works, and one that is
+not (e.g. a template that rewrites earlier turns) is refused with a clear error.
 """
 
 from __future__ import annotations

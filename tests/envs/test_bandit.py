@@ -1,4 +1,8 @@
-"""Bandit (spec 2.2, decisions 1 and 14): exact prompt, seeded arm order and payout, success, matching."""
+"""Bandit: exact prompt, seeded arm order and payout, success, matching.
+
+See docs/architecture.md, "Environment API", and in "Deliberate differences from RAGEN" the items
+"Bandit low arm" and "Reward text".
+"""
 
 from __future__ import annotations
 

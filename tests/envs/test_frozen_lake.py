@@ -1,4 +1,7 @@
-"""FrozenLake (spec 2.4): maps, gymnasium-exact dynamics, render symbols, the oracle, speed."""
+"""FrozenLake: maps, gymnasium-exact dynamics, render symbols, the oracle, speed.
+
+See docs/architecture.md, "Environment API".
+"""
 
 from __future__ import annotations
 

@@ -54,7 +54,10 @@ def test_same_seed_same_room_and_different_seeds_differ() -> None:
 
 
 def test_room_is_the_same_in_another_process() -> None:
-    """Decision 10: no per-process ``hash()`` anywhere in generation."""
+    """No per-process ``hash()`` anywhere in generation.
+
+    See docs/architecture.md, "Deliberate differences from RAGEN": reproducible Sokoban rooms.
+    """
     code = (
         "import envs\n"
         "for tag in ('SimpleSokoban', 'LargerSokoban'):\n"

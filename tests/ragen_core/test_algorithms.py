@@ -199,7 +199,9 @@ def test_bilevel_gae_hand_example():
     values = t64([[0.1, 0.2, 7.0, 0.3, 0.4]])
     mask = torch.tensor([[1, 1, 0, 1, 1]])
     turn_index = torch.tensor([[0, 0, 0, 1, 1]])
-    turn_rewards = t64([[0.0, 1.0]])  # first turn earns nothing: still a turn end (decision 8)
+    # first turn earns nothing: still a turn end (docs/architecture.md, "Deliberate differences
+    # from RAGEN": turn ends)
+    turn_rewards = t64([[0.0, 1.0]])
     adv, ret = bilevel_gae(turn_rewards, values, mask, turn_index, gamma=1.0, lam=1.0, high_level_gamma=0.5)
     # high level: A1 = 1 - 0.4 = 0.6, G1 = 1 ; A0 = 0 + 0.5*0.4 - 0.2 + 0.5*0.6 = 0.3, G0 = 0.5
     # low level: turn 0: pos1 A = 0.5-0.2 = 0.3 ; pos0 A = 0.2-0.1+0.3 = 0.4 ; turn 1: pos4 0.6, pos3 0.7

@@ -1,4 +1,7 @@
-"""Env groups (RAGEN's es_manager): layout, seeds, budget, termination, metrics (spec 2.9, 4)."""
+"""Env groups (RAGEN's es_manager): layout, seeds, budget, termination, metrics.
+
+See docs/architecture.md, "Env groups and seeds" and "Agent text protocol".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The agent text protocol: prompts, messages, reward text, answer parsing (spec 3.1-3.3, 3.5)."""
+"""The agent text protocol: prompts, messages, reward text, answer parsing.
+
+See docs/architecture.md, "Agent text protocol".
+"""
 
 from __future__ import annotations
 
@@ -88,7 +91,8 @@ def test_instruction_prefix_discrete() -> None:
 
 
 def test_instruction_prefix_uses_env_vocab_and_sep() -> None:
-    env = FakeEnv(["A"], {"W": "wall", ".": "empty"})  # decision 9: the env's own legend
+    # the env's own legend (docs/architecture.md, "Deliberate differences from RAGEN": grid legend)
+    env = FakeEnv(["A"], {"W": "wall", ".": "empty"})
     cfg = ProtocolConfig(action_sep="|")
     spec = EnvSpec(tag="X", env_type="x", env_instruction="I.", max_actions_per_traj=3)
     assert instruction_prefix(spec, env, cfg) == (
@@ -222,7 +226,10 @@ def test_generation_without_pending_record_ends_with_reward() -> None:
 
 
 def test_context_window_reference_case() -> None:
-    """RAGEN's test_context_window intent (spec 9.1 / decision 16): 3 played turns, k=2."""
+    """RAGEN's test_context_window intent: 3 played turns, k=2.
+
+    See docs/architecture.md, "Deliberate differences from RAGEN": context window.
+    """
     cfg = ProtocolConfig(max_context_window=2, enable_think=False, action_sep="|")
     h = [
         TurnRecord(state="S1", actions_left=3, response="R1", reward=0.1),
@@ -479,18 +486,29 @@ def test_format_penalty_oracle(names: list[str], structure: str, think_text: str
 
 
 # Pathological inputs ----------------------------------------------------------------------
+# Each builds a text of about ``n`` characters. The parser must stay linear on them: catastrophic
+# regex backtracking is quadratic or worse, which on 1 MB means hours, not seconds. Linear parsing
+# takes well under 0.1 s here; the bound is far above that, so a loaded machine does not trip it.
 MB = 1 << 20
-PATHOLOGICAL = {
-    "open_thinks": "<think>" * (MB // 7),
-    "open_answers": "<answer>" * (MB // 8),
-    "close_thinks": "<think>" + "</think>" * (MB // 8),
-    "close_thinks_ws": "<think>" + "</think> \n " * (MB // 12),
-    "unclosed_answer": "<think>x</think><answer>" + "a" * MB,
-    "no_tags": "x" * MB,
+PATHOLOGICAL: dict[str, Callable[[int], str]] = {
+    "open_thinks": lambda n: "<think>" * (n // 7),
+    "open_answers": lambda n: "<answer>" * (n // 8),
+    "close_thinks": lambda n: "<think>" + "</think>" * (n // 8),
+    "close_thinks_ws": lambda n: "<think>" + "</think> \n " * (n // 12),
+    "unclosed_answer": lambda n: "<think>x</think><answer>" + "a" * n,
+    "no_tags": lambda n: "x" * n,
 }
+PARSE_PATHOLOGICAL: dict[str, Callable[[int], str]] = {
+    **PATHOLOGICAL,
+    "many_actions": lambda n: "<think>x</think><answer>" + "Up || " * (n // 6) + "</answer>",
+    "many_eos": lambda n: "<think>x</think><answer>" + "<|im_end|>" * (n // 10) + "</answer>",
+    "split_tags": lambda n: "<think>x</think><answer>" + "<ans" * (n // 16) + "<answer>" + "wer>" * (n // 16)
+    + "</answer>",
+}
+BOUND_S = 5.0
 
 
-def _best_of(fn: Callable[[], object], n: int = 3) -> float:
+def _best_of(fn: Callable[[], object], n: int = 2) -> float:
     best = float("inf")
     for _ in range(n):
         t0 = time.perf_counter()
@@ -500,28 +518,16 @@ def _best_of(fn: Callable[[], object], n: int = 3) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
-def test_matching_one_megabyte_is_fast(name: str) -> None:
-    text = PATHOLOGICAL[name]
-    assert _best_of(lambda: _find_think_answer(text)) < 0.1
-    assert _best_of(lambda: _find_answer(text)) < 0.1
+def test_matching_one_megabyte_stays_bounded(name: str) -> None:
+    text = PATHOLOGICAL[name](MB)
+    assert _best_of(lambda: _find_think_answer(text)) < BOUND_S
+    assert _best_of(lambda: _find_answer(text)) < BOUND_S
 
 
-@pytest.mark.parametrize(
-    "text",
-    [
-        *PATHOLOGICAL.values(),
-        "<think>x</think><answer>" + "Up || " * (MB // 6) + "</answer>",
-        "<think>x</think><answer>" + "<|im_end|>" * (MB // 10) + "</answer>",
-        "<think>x</think><answer>" + "<ans" * (MB // 16) + "<answer>" + "wer>" * (MB // 16) + "</answer>",
-    ],
-)
-def test_parse_one_megabyte_stays_bounded(text: str) -> None:
+@pytest.mark.parametrize("name", sorted(PARSE_PATHOLOGICAL))
+def test_parse_one_megabyte_stays_bounded(name: str) -> None:
+    text = PARSE_PATHOLOGICAL[name](MB)
     for cfg in (THINK, NOTHINK):
-        r = None
-
-        def run(cfg: ProtocolConfig = cfg) -> None:
-            nonlocal r
-            r = parse_response(text, cfg, ACTIONS)
-
-        assert _best_of(run, 2) < 0.5
+        assert _best_of(lambda cfg=cfg: parse_response(text, cfg, ACTIONS)) < BOUND_S
+        r = parse_response(text, cfg, ACTIONS)
         assert r is not None and len(r.actions) <= 5

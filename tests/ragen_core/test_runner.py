@@ -115,7 +115,8 @@ def test_context_window_trains_only_the_last_window(policy):
     trajs = sokoban_rollouts(policy, n_groups=2, group_size=2, max_turn=3, window=1)
     for t in trajs:
         runs = spans(t.loss_mask)
-        assert len(runs) == 1  # the last turn only (decision 16)
+        # the last turn only (docs/architecture.md, "Deliberate differences from RAGEN": context window)
+        assert len(runs) == 1
         assert "Turn 2:" not in (t.messages[1]["content"])
 
 
