@@ -21,7 +21,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: setup vllm run demo test lint bench models
+.PHONY: setup vllm run demo test test-fast lint bench models
 
 setup: $(STAMP)
 
@@ -51,6 +51,12 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
 	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=25
+
+# The unit tier while editing: no vLLM, no servers, no training runs (modules marked slow); about
+# 2 minutes. `make test` stays the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow and not vllm" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

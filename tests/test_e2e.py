@@ -43,6 +43,10 @@ from typing import Any
 
 import pytest
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 HOST = "127.0.0.1"

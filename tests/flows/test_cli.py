@@ -18,6 +18,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from flows.cli import app, summarize
 from ragen_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 

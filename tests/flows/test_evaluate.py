@@ -12,6 +12,10 @@ from flows.evaluate import EvaluateRequest, budgets, evaluate
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.trajectory import read_trajectories
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

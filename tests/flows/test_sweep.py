@@ -41,6 +41,10 @@ from ragen_core.sweep import (
 from ragen_core.tracking import Tracker, TrackingConfig
 from tests.process_env import child_env
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 BANDIT = ROOT / "configs" / "bandit-tiny.yaml"
 IMPOSSIBLE = "learner.optim.mini_batch_size=999"  # larger than any filtered batch of bandit-tiny

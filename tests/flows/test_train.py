@@ -18,6 +18,10 @@ import torch
 
 from tests.process_env import child_env
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 # One Prefect home for every run of this module: its database is created once (~10 s), not per run.
 PREFECT_HOME = Path(tempfile.mkdtemp(prefix="ragen-prefect-home-"))

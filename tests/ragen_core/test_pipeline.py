@@ -11,6 +11,10 @@ from ragen_core.config import load_config
 from ragen_core.integrity import record
 from ragen_core.pipeline import PreflightError, RunDir, Session, create_run, init_policy_stage, preflight
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.corpus_seeds=2",
         "agent.max_turn=1", "train.tags=[Bandit]", "train.n_groups=[2]", "train.group_size=2",
         "val.tags=[Bandit]", "val.n_groups=[4]", "rollout.max_new_tokens=8", "rollout.filter_ratio=1",

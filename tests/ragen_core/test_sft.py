@@ -25,6 +25,10 @@ from ragen_core.sft import (
 )
 from tests.ragen_core.test_runner import spans
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                    corpus_seeds=4, seed=3)
 

@@ -21,6 +21,9 @@ from flows.cli import RagenGroup, _QuietFailedRuns
 from ragen_core.errors import RagenError, describe, is_user_error
 from tests.flows.test_train import CONFIG, ROOT, ragen
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 def one_clear_line(out, *needles: str, code: int = 1, max_lines: int = 3) -> str:
     """The output of a user error: exit ``code``, a few lines on stderr, no traceback, and every

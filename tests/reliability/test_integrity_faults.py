@@ -16,6 +16,9 @@ import pytest
 from tests.flows.test_train import Result, assert_bitwise_equal, only_run, ragen, train
 from tests.flows.test_train import weights as weights_of
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

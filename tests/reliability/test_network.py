@@ -11,6 +11,9 @@ import pytest
 from tests.flows.test_train import ragen
 from tests.reliability import procs
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 def test_default_setup_listens_on_loopback_only(tmp_path: Path) -> None:
     """``ragen train`` of bandit-tiny (tiny sizes) with trainer.backend=ray, its ephemeral Prefect

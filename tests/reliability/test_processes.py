@@ -12,6 +12,9 @@ import pytest
 
 from tests.reliability import procs
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("backend", ["ray"])
 def test_sigkilled_train_leaves_no_process(backend: str, tmp_path: Path) -> None:

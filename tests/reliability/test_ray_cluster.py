@@ -15,6 +15,10 @@ from ragen_core.actors import LearnerGroup, LearnerPlacementError, init_ray
 from tests.ragen_core.test_learner import make_cfg
 from tests.reliability import procs
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 RAY_BIN = Path(sys.executable).parent / "ray"
 
 
