@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import prefect.runtime
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
@@ -87,12 +88,33 @@ def run_iteration(run_root: str, k: int) -> dict[str, float]:
     return metrics
 
 
+def _iteration_name(parameters: dict[str, Any]) -> str:
+    """``<run id>/iteration-<k>`` (the run folder is named after the run id; k as on disk and in MLflow)."""
+    return f"{Path(parameters['run_root']).name}/iteration-{parameters['k']}"
+
+
 #: An iteration as a flow run of its own (``trainer.iteration_as: subflow``, the default) ...
-iteration_flow = flow(name="ragen-iteration", flow_run_name="iteration-{k}")(run_iteration)
+iteration_flow = flow(name="ragen-iteration",
+                      flow_run_name=lambda: _iteration_name(prefect.runtime.flow_run.parameters))(run_iteration)
 #: ... or as a parent task run nesting the stage tasks (``task``): Prefect orchestrates task runs on
 #: the client, so this costs no API round trips; the stage tasks' caching decides what reruns.
-iteration_task = task(name="ragen-iteration", task_run_name="iteration-{k}", cache_policy=NO_CACHE,
-                      persist_result=False)(run_iteration)
+iteration_task = task(name="ragen-iteration",
+                      task_run_name=lambda: _iteration_name(prefect.runtime.task_run.parameters),
+                      cache_policy=NO_CACHE, persist_result=False)(run_iteration)
+
+
+def _name_flow_run(name: str, log: Any) -> None:
+    """Rename this flow run once its run id is known (before that, Prefect shows ``train``). A name
+    is a convenience: an API that refuses it costs a warning, not the run."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(get_run_context().flow_run.id, name=name)
+    except (httpx.HTTPError, PrefectHTTPStatusError, OSError) as exc:
+        log.warning("could not name the Prefect flow run %r: %s", name, exc)
 
 
 def iteration_runner(cfg: RagenConfig) -> Any:
@@ -184,6 +206,7 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": request.backend})})
     info = run.info()
     log.info("run %s in %s", info["run_id"], run.root)
+    _name_flow_run(f"train/{info['run_id']}", log)
     mlflow_run = tracker.start(
         info["run_id"], flatten(cfg),
         tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),

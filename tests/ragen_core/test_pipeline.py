@@ -104,6 +104,11 @@ def test_a_second_run_of_the_same_config_reuses_nothing_of_the_first(tmp_path: P
                 drop_session(run)
                 session.close()
             runs.append(run)
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:  # Prefect names an iteration after its run
+            names = sorted(r.name for r in client.read_flow_runs())
+        assert names == sorted(f"{r.root.name}/iteration-1" for r in runs)
     first, second = runs
     assert first.root != second.root
     for run in runs:
