@@ -30,6 +30,10 @@ from ragen_core.tracking import BackgroundLog, Tracker, TrackingConfig
 from tests.flows.test_train import CONFIG, TINY, only_run, ragen
 from tests.test_e2e import INHERITED_DROP_PREFIXES, free_port, kill_group, tool, wait_healthy
 
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The first failed call may cost this much (HTTP_DEFAULTS: ~3 s refused, ~15 s hanging) ...
 FIRST_FAILURE_S = 15.0
