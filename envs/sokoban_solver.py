@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.sokoban import ACTIONS, SokobanState
+from envs.sokoban_state import ACTIONS, SokobanState
 
 
 def _as_state(env_or_state: Any) -> SokobanState:
