@@ -114,6 +114,11 @@ class ModelConfig(BaseModel):
                              "policy; keep one (--set model.imported=null)")
         return self
 
+    @property
+    def builds_tiny(self) -> bool:
+        """Whether the policy is the tiny model built from this config (no folder, nothing imported)."""
+        return self.path is None and self.imported is None
+
     def source(self) -> str | None:
         """The policy's folder or HF name (an imported model's folder under this state folder); None for
         the tiny local model. An imported model that is missing is an error that says how to import it."""
@@ -398,10 +403,9 @@ def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
 
 def policy_from_config(cfg: ModelConfig):
     """``(model, tokenizer)``: :func:`load_policy` of ``cfg.path``, or a new tiny policy."""
-    source = cfg.source()
-    if source is None:
+    if cfg.builds_tiny:
         return build_tiny_policy(cfg)
-    return load_policy(source, dtype=cfg.dtype)
+    return load_policy(cfg.source(), dtype=cfg.dtype)
 
 
 def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Path:

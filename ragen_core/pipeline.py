@@ -255,8 +255,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"rollout.engine=vllm: {exc}")
         m = cfg.model  # a tiny model is built from these; a saved one is checked when its engine starts
-        tiny = m.path is None and m.imported is None
-        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if tiny else None
+        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if m.builds_tiny else None
         if problem:
             problems.append(f"rollout.engine=vllm: {problem}")
     if cfg.model.imported is not None:
