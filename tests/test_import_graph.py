@@ -33,16 +33,12 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for layer in LAYERS for p in sorted((ROOT / layer).rglob("*.py"))}
 
 
-def _imports(path: Path, name: str, top_level_only: bool) -> set[str]:
-    """Project modules imported by the file at ``path`` (module ``name``)."""
+def _imports(path: Path, name: str) -> set[str]:
+    """Project modules imported anywhere in the file at ``path`` (module ``name``)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # also what a module-level `if`/`try` imports
-        nodes = [n for stmt in tree.body for n in ast.walk(stmt) if not isinstance(stmt, (ast.FunctionDef,
-                 ast.AsyncFunctionDef, ast.ClassDef)) or n is stmt]
     found: set[str] = set()
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -71,7 +67,7 @@ def test_no_import_points_up_a_layer() -> None:
     modules = _modules()
     upward = []
     for name, path in modules.items():
-        for target in _imports(path, name, top_level_only=False):
+        for target in _imports(path, name):
             resolved = _resolve(target, modules)
             if resolved and _layer(resolved) > _layer(name):
                 upward.append(f"{name} imports {resolved}")
@@ -82,7 +78,7 @@ def test_no_import_cycle() -> None:
     modules = _modules()
     graph = {}
     for name, path in modules.items():
-        deps = {_resolve(t, modules) for t in _imports(path, name, top_level_only=False)}
+        deps = {_resolve(t, modules) for t in _imports(path, name)}
         # a package's __init__ is loaded with its modules: edges into a package's own modules are not cycles
         graph[name] = {d for d in deps if d and d != name and not d.startswith(name + ".")}
     cycles = []
@@ -111,4 +107,4 @@ def test_the_layer_check_sees_an_upward_import(bad: str, tmp_path: Path) -> None
     """The check itself: an envs module importing an upper layer is reported."""
     path = tmp_path / "probe.py"
     path.write_text(f"def f():\n    import {bad}\n")
-    assert _resolve(next(iter(_imports(path, "envs.probe", top_level_only=False))), _modules()) == bad
+    assert _resolve(next(iter(_imports(path, "envs.probe"))), _modules()) == bad

@@ -272,7 +272,6 @@ class HFEngine(RolloutEngine):
         # This call's continuations reuse what the previous call kept; it keeps its own for the next.
         previous, kept = self._kept or {}, {}
         hits = [_longest_kept_prefix(previous, p) for p in prompts]
-        del previous
         was_training = self.model.training
         self.model.eval()
         try:
@@ -418,14 +417,7 @@ class HFEngine(RolloutEngine):
                 mask[i, width - len(p) :] = 1
             pos = (mask.cumsum(-1) - 1).clamp_(min=0)
             cache = DynamicCache(config=model.config)
-            logits = model(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=pos.to(device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: cache},
-            ).logits[:, -1, :]
+            logits = self._last_logits(ids, mask, pos, cache, device)
             self.prefix_stats["prefilled"] += sum(len(p) for p in prompts)
             return cache, logits, mask
 
@@ -443,7 +435,7 @@ class HFEngine(RolloutEngine):
             nonlocal logits, layers
             if logits is None:
                 logits = out.new_empty((n, out.shape[-1]))
-                layers = [_buffer_layer(layer, n, total + extra) for layer in part.layers]
+                layers = [_buffer_layer(layer.keys, layer.values, n, total + extra) for layer in part.layers]
 
         if hit_rows:
             out, part = self._prefill_continuations(
@@ -489,16 +481,8 @@ class HFEngine(RolloutEngine):
             else:
                 mask = (torch.arange(cw)[None, :] >= (cw - torch.tensor(clens))[:, None]).long()
                 pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-                mask = mask.to(device)
             part = DynamicCache(config=model.config)
-            out = model(
-                input_ids=ids.to(device),
-                attention_mask=mask,
-                position_ids=pos.to(device),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kw: part},
-            ).logits[:, -1, :]
+            out = self._last_logits(ids, mask, pos, part, device)
             self.prefix_stats["prefilled"] += sum(clens)
             place(out, part)
             assert logits is not None
@@ -535,13 +519,7 @@ class HFEngine(RolloutEngine):
         mask = torch.zeros((h, span_p + span_s), dtype=torch.long)
         ids = torch.full((h, span_s), self.pad_token_id, dtype=torch.long)
         pos = torch.zeros((h, span_s), dtype=torch.long)
-        layers = [
-            _buffer_layer_class()(
-                k.new_zeros((h, k.shape[0], span_p + span_s, k.shape[-1])),
-                v.new_zeros((h, v.shape[0], span_p + span_s, v.shape[-1])),
-            )
-            for k, v in kept[0].layers
-        ]
+        layers = [_buffer_layer(k, v, h, span_p + span_s) for k, v in kept[0].layers]
         for j, (prompt, entry) in enumerate(zip(prompts, kept, strict=True)):
             c, s = entry.length, len(prompt) - entry.length
             mask[j, span_p - c : span_p] = 1
@@ -555,15 +533,20 @@ class HFEngine(RolloutEngine):
             buf.set_length(span_p)
         cache = DynamicCache(config=self.model.config)
         cache.layers = layers
-        out = self.model(
+        return self._last_logits(ids, mask, pos, cache, device), cache
+
+    def _last_logits(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor, cache: Any, device: torch.device
+    ) -> torch.Tensor:
+        """One prefill pass of ``ids`` into ``cache``; the logits of each row's last position."""
+        return self.model(
             input_ids=ids.to(device),
-            attention_mask=mask.to(device),
+            attention_mask=None if mask is None else mask.to(device),
             position_ids=pos.to(device),
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kw: cache},
         ).logits[:, -1, :]
-        return out, cache
 
     # ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -627,10 +610,11 @@ def _longest_kept_prefix(kept: Mapping[tuple[int, ...], _KeptKV], prompt: Sequen
     return None if best is None else kept[best]
 
 
-def _buffer_layer(like: Any, batch: int, capacity: int) -> Any:
-    """A zeroed KV-buffer cache layer shaped like the (initialised) ``DynamicLayer`` ``like``."""
-    shape = (batch, like.keys.shape[1], capacity, like.keys.shape[-1])
-    return _buffer_layer_class()(like.keys.new_zeros(shape), like.values.new_zeros((*shape[:3], like.values.shape[-1])))
+def _buffer_layer(keys: torch.Tensor, values: torch.Tensor, batch: int, capacity: int) -> Any:
+    """A zeroed KV-buffer cache layer for ``batch`` rows of ``capacity`` positions, with the heads
+    (dim -3), head size (dim -1), dtype and device of the sample ``keys`` / ``values``."""
+    shape = (batch, keys.shape[-3], capacity)
+    return _buffer_layer_class()(keys.new_zeros((*shape, keys.shape[-1])), values.new_zeros((*shape, values.shape[-1])))
 
 
 def _buffer_layer_class() -> type:

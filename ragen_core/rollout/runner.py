@@ -11,6 +11,7 @@ not (e.g. a template that rewrites earlier turns) is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -210,7 +211,8 @@ def run_rollouts(
         return groups.messages(env_id, for_generation), turns, start
 
     # A turn's prompt continues the conversation of the turn before: the engine may reuse its KV cache.
-    with engine.conversations():
+    # With one turn there is nothing to continue, and keeping every sequence's cache would be waste.
+    with engine.conversations() if protocol.max_turn > 1 else contextlib.nullcontext():
         for turn in range(protocol.max_turn):
             active = groups.active_ids()
             if not active:
