@@ -80,6 +80,11 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None,
+        description="weights of the rollout engine (None: model.dtype); e.g. bfloat16 rollouts beside a float32 "
+        "learner, as verl runs vLLM; rollout/old_vs_rollout_logprob_diff logs the gap this opens",
+    )
     temperature: float = Field(default=1.0, ge=0.0, description="training rollouts")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1 disables")

@@ -405,7 +405,7 @@ class Session:
         worker_args = (
             str(run.init_policy), cfg.agent.model_dump(), cfg.train.model_dump(), cfg.val.model_dump(),
             cfg.rollout.engine, cfg.rollout.max_batch_size, cfg.rollout.max_model_len,
-            cfg.trainer.rollout_threads, engine_options(cfg),
+            cfg.trainer.rollout_threads, engine_options(cfg), rollout_dtype(cfg),
         )
         if backend == "ray":
             init_ray()
@@ -455,10 +455,15 @@ class Session:
             self.worker.close()
 
 
+def rollout_dtype(cfg: RagenConfig) -> str:
+    """The dtype the rollout engine holds the weights in: ``rollout.dtype``, else ``model.dtype``."""
+    return cfg.rollout.dtype or cfg.model.dtype
+
+
 def engine_options(cfg: RagenConfig) -> dict[str, Any]:
     """The vLLM engine's settings from a config (unused by the ``hf`` engine)."""
     return {
-        "dtype": cfg.model.dtype,
+        "dtype": rollout_dtype(cfg),
         "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
         "enforce_eager": cfg.rollout.enforce_eager,
         "tensor_parallel_size": cfg.rollout.tensor_parallel_size,

@@ -38,6 +38,7 @@ class RolloutWorker:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        dtype: str = "float32",
     ) -> None:
         from ragen_core.models import load_policy
 
@@ -45,9 +46,9 @@ class RolloutWorker:
             show_progress_lines()
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.policy_path = policy_path
+        self.policy_path, self.dtype = policy_path, dtype
         if engine == "hf":
-            self.model, self.tokenizer = load_policy(policy_path)
+            self.model, self.tokenizer = load_policy(policy_path, dtype=dtype)
             self.engine: RolloutEngine = HFEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
                                                   max_model_len=max_model_len)
         elif engine == "vllm":
@@ -82,7 +83,7 @@ class RolloutWorker:
 
             from ragen_core.models import load_policy
 
-            base, _ = load_policy(self.policy_path)
+            base, _ = load_policy(self.policy_path, dtype=self.dtype)
             merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
             self.engine.update_weights(merged.state_dict())
             return

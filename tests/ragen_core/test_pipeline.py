@@ -226,3 +226,29 @@ def test_init_policy_is_recorded_and_checked_before_use(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     with pytest.raises(CorruptFileError, match=r"init_policy/model\.safetensors: corrupt file: .*start a new run"):
         init_policy_stage(cfg, run)
+
+
+def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: Path) -> None:
+    """rollout.dtype=bfloat16: the rollout worker holds bf16 weights (also after a weight sync), the
+    learner stays float32, and the learn stage logs the gap between the two log-probs: non-zero (a
+    float32 engine's is ~1e-6, see test_runner) and small."""
+    import torch
+
+    from ragen_core.pipeline import filter_stage, learn_stage, rollout_stage
+
+    cfg = load_config(overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1",
+                                 f"trainer.run_root={tmp_path}"])
+    run = create_run(cfg, "bf16")
+    init_policy_stage(cfg, run)
+    session = Session(cfg, run, backend="local")
+    try:
+        model = session.worker.model
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert {p.dtype for p in session.learner.learner.policy.parameters()} == {torch.float32}
+        rollout_stage(cfg, run, 1, session)
+        kept, _ = filter_stage(cfg, run, 1)
+        metrics = learn_stage(cfg, run, 1, session, kept)
+        assert 1e-4 < metrics["rollout/old_vs_rollout_logprob_diff"] < 0.5, metrics
+        assert {p.dtype for p in session.worker.model.parameters()} == {torch.bfloat16}
+    finally:
+        session.close()
