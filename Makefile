@@ -48,9 +48,13 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ragen demo
 
+# Two pytest workers (TEST_WORKERS=0: one process): the end-to-end tests spend much of their time
+# waiting on servers and subprocesses, so one worker left a 2-core machine half idle. --dist loadfile
+# keeps a module on one worker, so a module's fixtures (a trained run, a loaded model) are built once.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
-	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q --durations=25
+	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The unit tier while editing: no vLLM, no servers, no training runs (modules marked slow); about
 # 2 minutes. `make test` stays the whole suite.
