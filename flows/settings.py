@@ -19,7 +19,9 @@ import sys
 import uuid
 from pathlib import Path
 
-STATE_DIR = Path(os.environ.get("RAGEN_STATE_DIR", ".state"))
+from ragen_core.state_folder import state_dir
+
+STATE_DIR = state_dir()
 
 #: The watchdog of this process, once started (kept so that it is not collected while running).
 _watchdog: subprocess.Popen[bytes] | None = None

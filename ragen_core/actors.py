@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ragen_core.learner import Learner, LearnerConfig
+from ragen_core.state_folder import state_dir
 
 __all__ = [
     "LearnerActor", "LearnerGroup", "LearnerPlacementError", "LearnerWorker", "init_ray", "reserve_learners",
@@ -133,7 +134,7 @@ def _token_auth() -> None:
     if "RAY_AUTH_MODE" in os.environ:
         return
     path = Path(os.environ.setdefault(
-        "RAY_AUTH_TOKEN_PATH", str(Path(os.environ.get("RAGEN_STATE_DIR", ".state")).resolve() / "ray" / "auth_token")))
+        "RAY_AUTH_TOKEN_PATH", str(state_dir().resolve() / "ray" / "auth_token")))
     if not path.is_file() or not path.read_text().strip():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

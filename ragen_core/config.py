@@ -26,7 +26,7 @@ from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.sft import SFTConfig
-from ragen_core.tracking import TrackingConfig
+from ragen_core.tracking import TrackingConfig, flatten_params
 
 #: The config ``ragen train`` trains when none is given (the README's main job).
 DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
@@ -274,17 +274,10 @@ def config_hash(cfg: RagenConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def flatten(cfg: RagenConfig | Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Dotted keys -> string values, e.g. for MLflow params."""
-    data = cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg
-    out: dict[str, str] = {}
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = json.dumps(v) if isinstance(v, list | dict) else str(v)
-    return out
+def flatten(cfg: RagenConfig | Mapping[str, Any]) -> dict[str, str]:
+    """Dotted keys -> string values, as logged to MLflow (``tracking.flatten_params``: strings as they
+    are, everything else as JSON), so a resume compares exactly what the run's params show."""
+    return flatten_params(cfg.model_dump(mode="json") if isinstance(cfg, BaseModel) else cfg)
 
 
 def dump_config(cfg: RagenConfig, path: str | Path) -> Path:

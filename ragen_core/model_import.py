@@ -138,8 +138,9 @@ class ImportResult:
 # ------------------------------------------------------------------------------------------------
 def models_dir(state_dir: str | os.PathLike | None = None) -> Path:
     """``<state>/models``: ``state_dir`` or ``$RAGEN_STATE_DIR`` (default ``.state``)."""
-    state = Path(state_dir) if state_dir is not None else Path(os.environ.get("RAGEN_STATE_DIR", ".state"))
-    return state / "models"
+    from ragen_core.state_folder import state_dir as default_state_dir
+
+    return Path(state_dir if state_dir is not None else default_state_dir()) / "models"
 
 
 def default_name(gguf: str | os.PathLike) -> str:

@@ -39,6 +39,7 @@ from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import CorruptFileError, record, record_tree, verify, verify_tree
+from ragen_core.state_folder import state_dir
 from ragen_core.storage import as_os_error, existing_ancestor, write_error
 from ragen_core.trajectory import read_table, to_token_batch, write_table
 
@@ -285,11 +286,6 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
                             f"more than {min_free_gb} GiB); free space or choose another run root")
     if problems:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
-
-
-def state_dir() -> Path:
-    """ragen-flow's state folder (``$RAGEN_STATE_DIR``, default ``.state``)."""
-    return Path(os.environ.get("RAGEN_STATE_DIR", ".state"))
 
 
 def _index_path() -> Path:

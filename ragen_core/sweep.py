@@ -49,6 +49,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ragen_core.tracking import ITERATION_KEY, PARENT_TAG
+
 if TYPE_CHECKING:  # pragma: no cover
     from ragen_core.config import RagenConfig
     from ragen_core.monitor import MonitorConfig
@@ -64,12 +66,10 @@ INDEX_TAG = "ragen.sweep_index"  # child: position in the expansion (report orde
 OVERRIDES_TAG = "ragen.sweep_overrides"  # child: the member's overrides (JSON list)
 ERROR_TAG = "ragen.sweep_error"  # child: why the member failed
 ROLE_TAG = "ragen.sweep_role"  # "parent" or "member"
-PARENT_TAG = "mlflow.parentRunId"
 
 DEFAULT_COMPARE = ["val-env/success", "val-env/*/success"]
 CURVE_KEYS = ["rollout/in_group_std", "actor/entropy", "actor/grad_norm", "response_length/mean"]
 TOKENS_KEY = "perf/total_num_tokens"
-ITERATION_KEY = "iteration"
 
 _SLUG_BAD = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
@@ -510,8 +510,9 @@ def _tracker_for(source: str | Tracker) -> Tracker:
     from ragen_core.tracking import Tracker, TrackingConfig
 
     if isinstance(source, str):
-        state = Path(os.environ.get("RAGEN_STATE_DIR", ".state"))
-        return Tracker(TrackingConfig(tracking_uri=source), state)
+        from ragen_core.state_folder import state_dir
+
+        return Tracker(TrackingConfig(tracking_uri=source), state_dir())
     return source
 
 
@@ -563,7 +564,7 @@ def build_report(
 
     histories: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for key, run in by_key.items():
-        histories[key] = tracker._history(run.info.run_id, None) if run.data.metrics else {}
+        histories[key] = tracker.run_history(run.info.run_id) if run.data.metrics else {}
     keys = resolve_compare(compare, {k for h in histories.values() for k in h})
     if default and len(keys) == 2 and keys[0] == "val-env/success":
         keys = keys[1:]  # one env tag: the aggregate is the same series
@@ -645,72 +646,18 @@ _TITLES = {
 }
 
 
-def _panel(ax: Any, report: Report, key: str, smooth: bool) -> bool:
-    from ragen_core.tracking import _ema
-
-    drawn = False
-    for i, g in enumerate(report.groups):
-        pts = g.curves.get(key)
-        if not pts:
-            continue
-        xs = [p[0] for p in pts]
-        ys = [p[1] for p in pts]
-        sd = [p[2] for p in pts]
-        color = f"C{i % 10}"
-        line = _ema(ys) if smooth and len(pts) >= 4 else ys
-        if smooth and len(pts) >= 4:
-            ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1)
-        ax.plot(xs, line, color=color, linewidth=1.8, marker="o" if len(pts) < 30 else None, markersize=3,
-                label=f"{g.name} (n={g.n_finished})")
-        if any(sd):
-            ax.fill_between(xs, [y - s for y, s in zip(ys, sd, strict=True)],
-                            [y + s for y, s in zip(ys, sd, strict=True)], color=color, alpha=0.12)
-        drawn = True
-    if drawn:
-        from matplotlib.ticker import MaxNLocator
-
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    return drawn
-
-
 def render_curves(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Overlaid group curves like the paper's figures 5-11: one PNG per metric (validation success
-    per compare key drawn raw; the training statistics as an EMA over the faint raw mean), plus
-    ``overview.png`` with every panel. Agg canvas, no pyplot."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+    """Overlaid group curves like the paper's figures 5-11 (``ragen_core.plotting``): one PNG per
+    compare key (validation success, drawn raw) and per training statistic (an EMA over the faint raw
+    mean), the std over seeds shaded, plus ``overview.png``."""
+    from ragen_core.plotting import render_group_curves
     from ragen_core.tracking import metric_key
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    panels = [(k, f"Validation success: {_short(k)}" if k.endswith("success") else k, False)
-              for k in report.compare] + [(k, _TITLES[k], True) for k in CURVE_KEYS if k not in report.compare]
-    panels = [p for p in panels if any(p[0] in g.curves for g in report.groups)]
-    written: list[Path] = []
-    for key, title, smooth in panels:
-        fig = Figure(figsize=(6, 4), layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
-        _panel(ax, report, key, smooth)
-        ax.set_title(f"{report.sweep}: {title}", fontsize=9)
-        path = out / f"curve_{slug(metric_key(key).replace('/', '_'))}.png"
-        fig.savefig(path, dpi=100)
-        written.append(path)
-    if panels:
-        ncol = min(3, len(panels))
-        nrow = math.ceil(len(panels) / ncol)
-        fig = Figure(figsize=(5 * ncol, 3.6 * nrow), layout="constrained")
-        FigureCanvasAgg(fig)
-        for i, (key, title, smooth) in enumerate(panels):
-            ax = fig.add_subplot(nrow, ncol, i + 1)
-            _panel(ax, report, key, smooth)
-            ax.set_title(title, fontsize=9)
-        fig.suptitle(f"sweep {report.sweep}")
-        path = out / "overview.png"
-        fig.savefig(path, dpi=90)
-        written.append(path)
-    return written
+    def stem(key: str) -> str:
+        return f"curve_{slug(metric_key(key).replace('/', '_'))}"
+
+    panels = [(k, f"Validation success: {_short(k)}" if k.endswith("success") else k, stem(k), False)
+              for k in report.compare]
+    panels += [(k, _TITLES[k], stem(k), True) for k in CURVE_KEYS if k not in report.compare]
+    groups = [(f"{g.name} (n={g.n_finished})", g.curves) for g in report.groups]
+    return render_group_curves(groups, panels, out_dir, report.sweep)

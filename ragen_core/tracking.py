@@ -267,121 +267,6 @@ def _chain(e: BaseException) -> list[BaseException]:
     return out
 
 
-def _ema(values: list[float], weight: float = 0.6) -> list[float]:
-    out: list[float] = []
-    acc: float | None = None
-    for v in values:
-        acc = v if acc is None else weight * acc + (1 - weight) * v
-        out.append(acc)
-    return out
-
-
-# ---------------------------------------------------------------------------- plots
-_SUCCESS_RE = re.compile(r"^(val-env|train)/([^/]+)/success$")
-_PANELS: list[tuple[str, str, list[str]]] = [
-    # (file stem, title, metric keys)
-    ("in_group_std", "In-group reward std", ["rollout/in_group_std", "rollout/chosen_in_group_std"]),
-    ("entropy", "Entropy", ["actor/entropy"]),
-    ("grad_norm", "Gradient norm (pre-clip)", ["actor/grad_norm", "critic/grad_norm"]),
-    ("response_length", "Response length (tokens)", ["response_length/mean"]),
-]
-
-
-def _draw(
-    ax: Any,
-    series: Mapping[str, list[tuple[int, float]]],
-    markers: Mapping[str, int],
-    smooth: bool = True,
-    label_markers: bool = True,
-) -> None:
-    for i, (label, pts) in enumerate(sorted(series.items())):
-        xs = [s for s, _ in pts]
-        ys = [v for _, v in pts]
-        color = f"C{i % 10}"
-        if smooth and len(pts) >= 4:
-            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
-            ax.plot(xs, _ema(ys), color=color, linewidth=1.8, label=label)
-        else:
-            ax.plot(xs, ys, color=color, marker="o" if len(pts) < 30 else None, markersize=3,
-                    linewidth=1.5, label=label)
-    for j, (name, step) in enumerate(sorted(markers.items(), key=lambda kv: kv[1])):
-        ax.axvline(step, color="k", linestyle=("--", ":", "-.")[j % 3], linewidth=1,
-                   label=f"{name} @ {step}" if label_markers else None)
-    ax.set_xlabel("iteration")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-
-
-def render_plots(
-    history: Mapping[str, list[tuple[int, float]]],
-    out_dir: str | os.PathLike[str],
-    markers: Mapping[str, int] | None = None,
-    title: str | None = None,
-) -> list[Path]:
-    """Paper-style curves (RAGEN Fig. 5 / 6 / 11) from metric histories, as PNG files in ``out_dir``:
-    ``success.png`` (per env tag, validation and training), ``in_group_std.png``, ``entropy.png``,
-    ``grad_norm.png``, ``response_length.png`` and ``overview.png`` (all panels). As in the paper
-    (B.3), success is drawn raw and the other curves as an EMA over the faint raw values. ``markers`` (name -> step) draw
-    vertical lines, e.g. Echo-Trap signal onsets. Panels without data are left out. Uses the Agg
-    canvas directly: no pyplot, no global backend switch."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hist = {metric_key(k): v for k, v in history.items() if v}
-    markers = dict(markers or {})
-    panels: list[tuple[str, str, dict[str, list[tuple[int, float]]]]] = []
-    for split, label in (("val-env", "Validation success"), ("train", "Training success")):
-        ser = {m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split}
-        if ser:
-            panels.append((f"success_{split}", label, ser))
-    for stem, label, keys in _PANELS:
-        ser = {k: hist[k] for k in keys if k in hist}
-        if ser:
-            panels.append((stem, label, ser))
-
-    written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
-        FigureCanvasAgg(fig)
-        path = out / name
-        fig.savefig(path, dpi=110)
-        written.append(path)
-
-    success = [p for p in panels if p[0].startswith("success_")]
-    if success:
-        fig = Figure(figsize=(6 * len(success), 4), layout="constrained")
-        for i, (_, label, ser) in enumerate(success):
-            ax = fig.add_subplot(1, len(success), i + 1)
-            _draw(ax, ser, markers, smooth=False, label_markers=i == 0)
-            ax.set_title(label)
-            ax.set_ylabel("success rate")
-        if title:
-            fig.suptitle(title)
-        save(fig, "success.png")
-    for stem, label, ser in panels:
-        if stem.startswith("success_"):
-            continue
-        fig = Figure(figsize=(6, 4), layout="constrained")
-        ax = fig.add_subplot(1, 1, 1)
-        _draw(ax, ser, markers)
-        ax.set_title(label if not title else f"{title}: {label}")
-        save(fig, f"{stem}.png")
-    if panels:
-        ncol = min(3, len(panels))
-        nrow = math.ceil(len(panels) / ncol)
-        fig = Figure(figsize=(5 * ncol, 3.6 * nrow), layout="constrained")
-        for i, (stem, label, ser) in enumerate(panels):
-            ax = fig.add_subplot(nrow, ncol, i + 1)
-            _draw(ax, ser, markers, smooth=not stem.startswith("success_"), label_markers=i == 0)
-            ax.set_title(label)
-        if title:
-            fig.suptitle(title)
-        save(fig, "overview.png")
-    return written
-
-
 # ---------------------------------------------------------------------------- tracker
 class Tracker:
     """One MLflow run, from one process: ``start`` (or resume), ``log_iteration`` per iteration,
@@ -645,9 +530,10 @@ class Tracker:
         logged). ``keys`` may use the original names (``pass@16``); None: every metric of the run.
         Keys the run does not have are left out."""
         run_id = self._require_run()
-        return self._history(run_id, keys)
+        return self.run_history(run_id, keys)
 
-    def _history(self, run_id: str, keys: Iterable[str] | None) -> dict[str, list[tuple[int, float]]]:
+    def run_history(self, run_id: str, keys: Iterable[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+        """:meth:`history` of any run of this store (e.g. a sweep's members), by its run id."""
         try:
             if keys is None:
                 wanted = {k: k for k in self.client.get_run(run_id).data.metrics}
@@ -742,10 +628,12 @@ class Tracker:
         if self.offline is not None:
             return []
         try:
-            hist = self._history(run_id, None)
+            hist = self.run_history(run_id)
         except TrackingError as e:
             self._go_offline(f"read the metric history of run {run_id}", e.__cause__ or e)
             return []
+        from ragen_core.plotting import render_plots
+
         paths = render_plots(hist, out_dir, markers=markers, title=title)
         for p in paths:
             self.log_artifact(p, "plots")

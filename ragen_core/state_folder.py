@@ -1,0 +1,16 @@
+"""The state folder: where runs, the local MLflow store, Prefect's home, imported models and Ray's
+token live (docs/architecture.md, "State folder"). ``$RAGEN_STATE_DIR``, default ``.state`` in the
+working directory. Every module that needs it asks here, so the rule is written once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATE_ENV = "RAGEN_STATE_DIR"
+DEFAULT_STATE_DIR = ".state"
+
+
+def state_dir() -> Path:
+    """The state folder, as the environment says now (not resolved: relative stays relative)."""
+    return Path(os.environ.get(STATE_ENV, DEFAULT_STATE_DIR))
