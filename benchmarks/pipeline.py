@@ -351,7 +351,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             state["deferred"] = 0
 
     real_iteration_flow, real_iteration_task = ft.iteration_flow, ft.iteration_task
-    real_session, real_best = ft.Session, ft._best_step
+    real_session, real_best = ft.Session, ft.RunDir.best_step
     real_configure = ft.configure_environment
     real_iteration = ft.iteration_runner(cfg)
 
@@ -378,7 +378,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         session_s.append(time.perf_counter() - t0)
         return out
 
-    def best_step(*args: Any, **kwargs: Any) -> Any:
+    def best_step(*args: Any, **kwargs: Any) -> Any:  # the flow's first call after its loop
         now = time.perf_counter()
         close_open(now)
         marks["loop_end"] = time.perf_counter()
@@ -389,7 +389,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         return real_configure(*args, **kwargs)
 
     real_background = ft.BackgroundLog
-    ft.iteration_flow, ft.iteration_task, ft.Session, ft._best_step, ft.configure_environment = (
+    ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
         iteration_flow, iteration_flow, session, best_step, configure)
     ft.BackgroundLog = RecordedBackground
     try:
@@ -397,7 +397,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         result = ft.train(ft.TrainRequest(resume=str(flow_run.root), backend=backend))
         marks["return"] = time.perf_counter()
     finally:
-        ft.iteration_flow, ft.iteration_task, ft.Session, ft._best_step, ft.configure_environment = (
+        ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
             real_iteration_flow, real_iteration_task, real_session, real_best, real_configure)
         ft.BackgroundLog = real_background
         clock.active = False

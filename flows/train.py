@@ -147,17 +147,6 @@ def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: 
     tracker.log_iteration(k, metrics)
 
 
-def _best_step(run: RunDir, last: int) -> int | None:
-    best, best_value = None, -1.0
-    for step in range(0, last + 1):
-        f = run.eval_metrics_file(step)
-        if f.exists():
-            value = run.read_json(f).get("val-env/success", -1.0)
-            if value > best_value:
-                best, best_value = step, value
-    return best
-
-
 @flow(name="ragen-train", flow_run_name="train", result_serializer="json")
 def train(request: TrainRequest | None = None) -> dict[str, Any]:
     """Train (or resume) a run; returns its run id, MLflow run id and final metrics.
@@ -235,6 +224,8 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         for k in range(1, last + 1):
             m = run.read_json(run.metrics_file(k))
             monitor.update(k, m)
+            if (to := run.rolled_back_to(k)) is not None:
+                monitor.reset_to(to)
             _log_step(tracker, run, cfg, k, m)
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
             _log_step(tracker, run, cfg, 0, evaluate_task(str(run.root), 0)["metrics"])
@@ -268,19 +259,19 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
                     to = monitor.rollback_step(range(0, k))
                     if to is not None:
                         log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
-                        session.restore(to)
-                        session.learner.save_checkpoint(str(run.checkpoint(k)), k, {"rolled_back_to": to})
-                        session.at = k
+                        record = session.roll_back(k, to, [s.name for s in monitor.triggered])
                         monitor.reset_to(to)
                         background.submit(tracker.set_tags,
                                           {f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+                        if cfg.tracking.log_artifacts:
+                            background.submit(tracker.log_artifact, record, "rollbacks")
         background.flush()
-        best = _best_step(run, k)
+        best, final_step = run.best_step(k), run.start_of(k + 1)  # where a last rollback went back to
         tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
         if cfg.tracking.log_artifacts:
             tracker.log_plots(run.root / "plots")
-            if k > 0:
-                tracker.log_artifacts(run.policy_after(k), "model/final")
+            if final_step > 0:
+                tracker.log_artifacts(run.policy_after(final_step), "model/final")
             if best is not None:
                 tracker.log_artifacts(run.policy_after(best), "model/best")
         status = "FINISHED"

@@ -24,7 +24,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,35 @@ class RunDir:
         while self.done_file(k + 1).exists():
             k += 1
         return k
+
+    # Echo-Trap rollbacks: an append-only log beside the iterations, which it never rewrites, so
+    # every stored iteration stays rerunnable bitwise.
+    def rollback_file(self, k: int) -> Path:
+        """The rollback decided after iteration ``k`` (``{"after", "to", "signals", "at"}``), if any."""
+        return self.root / "rollbacks" / f"after_{k:04d}.json"
+
+    def rolled_back_to(self, k: int) -> int | None:
+        """Where the rollback after iteration ``k`` went back to (None: there was none)."""
+        f = self.rollback_file(k)
+        return int(self.read_json(f)["to"]) if k > 0 and f.exists() else None
+
+    def start_of(self, k: int) -> int:
+        """The iteration whose state iteration ``k`` starts from: ``k - 1``, or the earlier iteration
+        that a rollback after ``k - 1`` went back to."""
+        to = self.rolled_back_to(k - 1)
+        return k - 1 if to is None else to
+
+    def best_step(self, last: int) -> int | None:
+        """The validated step up to ``last`` with the highest validation success (the earliest of
+        equals; None: none validated)."""
+        best, best_value = None, -1.0
+        for step in range(0, last + 1):
+            f = self.eval_metrics_file(step)
+            if f.exists():
+                value = self.read_json(f).get("val-env/success", -1.0)
+                if value > best_value:
+                    best, best_value = step, value
+        return best
 
 
 def atomic_write_text(path: Path, text: str, *, record_digest: bool = True) -> None:
@@ -438,6 +467,18 @@ class Session:
         self.call_worker("load_weights_from", str(self.run.policy_after(k)))
         self.at = k
 
+    def roll_back(self, k: int, to: int, signals: Sequence[str]) -> Path:
+        """After iteration ``k``, continue from the state after iteration ``to`` (an Echo-Trap
+        rollback). Recorded in ``rollbacks/after_<k>.json``, which :meth:`RunDir.start_of` reads;
+        iteration ``k``'s own checkpoint stays as it was trained."""
+        if not 0 <= to < k:
+            raise ValueError(f"a rollback after iteration {k} must go back to an earlier one, not {to}")
+        self.restore(to)
+        path = self.run.rollback_file(k)
+        atomic_write_text(path, json.dumps({"after": k, "to": to, "signals": list(signals), "at": time.time()},
+                                           indent=1))
+        return path
+
     def close(self) -> None:
         if self.backend == "ray":
             import ray
@@ -516,8 +557,9 @@ def check_resumable(run: RunDir) -> int:
     last = run.last_complete()
     for k in range(1, last + 1):
         run.read_json(run.metrics_file(k))
-    if last > 0:
-        verify_checkpoint(run.checkpoint(last))
+    start = run.start_of(last + 1)
+    if start > 0:
+        verify_checkpoint(run.checkpoint(start))
     elif run.init_policy.exists():
         check_init_policy(run)
     return last
@@ -551,15 +593,17 @@ def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
 
 
 def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
-    """Iteration ``k``'s train rollouts with the policy after ``k - 1`` iterations.
+    """Iteration ``k``'s train rollouts with the policy it starts from (after ``k - 1`` iterations, or
+    where a rollback went back to: :meth:`RunDir.start_of`).
 
     Reuses this run's stored rollouts when they are intact and were played by the same policy
     (``ragen_core.stage_record``), so a resumed iteration does not play again."""
-    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(k - 1)}
+    start = run.start_of(k)
+    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(start)}
     stored = stage_record.load(record, inputs)
     if stored is not None:
         return run.rollouts(k), stored["metrics"]
-    session.restore(k - 1)
+    session.restore(start)
     t0 = time.perf_counter()
     table, env_metrics = play(cfg, run, session, "train", k)
     crash_point("rollout", k)
@@ -600,11 +644,12 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     """One learner step on the kept trajectories; saves the checkpoint of iteration ``k``."""
     rollouts = run.rollouts(k)
     record = run.stage_record("learn", k)
-    inputs = {"state": run.checkpoint(k - 1), "rollouts": rollouts, "filter": run.filter_file(k)}
+    start = run.start_of(k)
+    inputs = {"state": run.checkpoint(start), "rollouts": rollouts, "filter": run.filter_file(k)}
     stored = stage_record.load(record, inputs)
     if stored is not None:
         return stored["metrics"]
-    session.restore(k - 1)
+    session.restore(start)
     table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
     t0 = time.perf_counter()
     metrics = session.learner.step(to_token_batch(table))
@@ -674,8 +719,8 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     """Recompute one stage of iteration ``k`` from what is on disk, into ``out_dir`` (default
     ``<run>/reruns/iter_k``), and compare it with the stored result. Nothing stored is overwritten.
 
-    ``rollout``: the policy after ``k - 1`` iterations plays iteration ``k``'s seeds -> Parquet
-    (compared byte for byte). ``learn``: the learner state after ``k - 1`` steps on the stored
+    ``rollout``: the policy iteration ``k`` starts from (after ``k - 1``, or a rollback's target) plays iteration ``k``'s seeds -> Parquet
+    (compared byte for byte). ``learn``: the learner state iteration ``k`` starts from, on the stored
     rollouts and filter -> checkpoint (policy and critic compared bitwise). ``evaluate``: validation
     of the policy after ``k`` iterations (compared byte for byte).
 
@@ -699,7 +744,7 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     session = Session(cfg, run, backend=backend or cfg.trainer.backend)
     try:
         if stage == "rollout":
-            session.restore(k - 1)
+            session.restore(run.start_of(k))
             table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
             _check_stored_table(run.rollouts(k), out)
@@ -718,7 +763,7 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
                                ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"))
         from ragen_core.learner import CheckpointError, verify_checkpoint
 
-        session.restore(k - 1)  # load_checkpoint verifies the checkpoint it starts from
+        session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
         kept = run.read_json(run.filter_file(k))["kept_rows"]
         table = read_table(run.rollouts(k)).take(pa.array(kept, type=pa.int64()))
         session.learner.step(to_token_batch(table))

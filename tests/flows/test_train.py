@@ -168,6 +168,35 @@ def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path
     assert "identical" in out.stdout
 
 
+def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path: Path) -> None:
+    """Any entropy change fires (patience 1, ratios 0.99999 / 1.00001 of iteration 1's entropy): after
+    iteration 2 the run rolls back to iteration 1's state, and at 3 it stops (one rollback allowed).
+    The rollback is a record of its own; no stored iteration is rewritten, so every stage of every
+    stored iteration reruns identical, iteration 3's learn stage from iteration 1's state."""
+    from ragen_core.pipeline import RunDir, rerun_stage
+
+    monitor = ("monitor.action=rollback", "monitor.max_rollbacks=1", "monitor.patience=1",
+               "monitor.entropy_init_window=1", "monitor.entropy_collapse_ratio=0.99999",
+               "monitor.entropy_blowup_ratio=1.00001", "monitor.act_on=[entropy_collapse,entropy_blowup]",
+               "trainer.iterations=4")
+    out = train(tmp_path, extra=monitor)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = RunDir(only_run(tmp_path))
+    assert run.last_complete() == 3 and not run.iter_dir(4).exists()  # stopped at 3: rollbacks used up
+    record = run.read_json(run.rollback_file(2))
+    assert (record["after"], record["to"]) == (2, 1) and record["signals"]
+    assert run.start_of(3) == 1 and run.start_of(2) == 1 and run.start_of(4) == 3
+    assert json.loads((run.checkpoint(2) / "manifest.json").read_text())["iteration"] == 2
+    assert any(not torch.equal(a, b) for a, b in zip(weights(run.root, 2)["policy"].values(),
+                                                      weights(run.root, 1)["policy"].values(), strict=True))
+    for k in (1, 2, 3):
+        for stage in ("rollout", "learn"):
+            result = rerun_stage(run, k, stage, tmp_path / "reruns" / f"{k}-{stage}", backend="local")
+            assert result.identical, (k, stage, result.detail)
+    cli = ragen(["rerun", str(run.root), "--iteration", "3", "--stage", "learn"], tmp_path)
+    assert cli.returncode == 0 and "identical" in cli.stdout, cli.stdout[-3000:] + cli.stderr[-3000:]
+
+
 def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path: Path) -> None:
     import shutil
 
