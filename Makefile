@@ -54,16 +54,19 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The unit tier while editing: no vLLM, no servers, no training runs (modules marked slow); about
 # 2 minutes. `make test` stays the whole suite.
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow and not vllm" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # gym-sokoban is a benchmark-only reference (not a dependency): --no-deps, as only its
 # room_utils.py is loaded; when already installed, pip does nothing (no index lookup).

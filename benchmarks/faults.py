@@ -100,7 +100,10 @@ def intact(state: Path, run: Path, reference: Path, tracking_uri: str | None = N
         return False, "iteration 3 not complete"
     mine, ref = weights(run, 3), weights(reference, 3)
     same = all(torch.equal(mine[p][k], ref[p][k]) for p in ref for k in ref[p])
-    return same, "bitwise the reference's weights, steps 0-3 once" if same else "weights differ from the reference"
+    return (
+        same,
+        "bitwise the reference's weights, steps 0-3 once" if same else "weights differ from the reference",
+    )
 
 
 def tiny_sets(state: Path, *extra: str) -> list[str]:
@@ -122,6 +125,7 @@ def kill_at(point: str) -> Callable[[Path, Path], tuple[bool, str]]:
         if out.returncode != 0:
             return False, f"resume rc {out.returncode}: {out.stderr.strip()[-300:]}"
         return intact(state, run, reference)
+
     return case
 
 
@@ -193,13 +197,31 @@ def free_port() -> int:
 def mlflow_server(store: Path, port: int) -> subprocess.Popen:
     import urllib.request
 
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{store}",
-                             "--artifacts-destination", str(store.parent / "artifacts")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{store}",
+            "--artifacts-destination",
+            str(store.parent / "artifacts"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2),
+        ):
             return proc
         time.sleep(0.5)
     raise RuntimeError("mlflow server did not start")
@@ -219,7 +241,9 @@ def tracking_server_killed_mid_run(state: Path, reference: Path) -> tuple[bool, 
     box: dict[str, Result] = {}
 
     def run_it() -> None:
-        box["r"] = ragen(["train", str(CONFIG), *tiny_sets(state)], state, extra_env={"MLFLOW_TRACKING_URI": uri})
+        box["r"] = ragen(
+            ["train", str(CONFIG), *tiny_sets(state)], state, extra_env={"MLFLOW_TRACKING_URI": uri}
+        )
 
     t = threading.Thread(target=run_it)
     t.start()
@@ -291,6 +315,7 @@ def corrupt_rollouts_then_rerun(stage: str) -> Callable[[Path, Path], tuple[bool
             flip(f, len(f.read_bytes()) // 2, 2)
         out = ragen(["rerun", str(run), "--iteration", "3", "--stage", stage], state)
         return clear_error(out, "rollouts.parquet")
+
     return case
 
 
@@ -300,11 +325,16 @@ def corrupt_json_then_resume(name: str) -> Callable[[Path, Path], tuple[bool, st
         f = run / name
         f.write_text(f.read_text()[: len(f.read_text()) // 2])
         return clear_error(resume(state, run), name.split("/")[-1])
+
     return case
 
 
-def cli_error(args: Callable[[Path, Path], list[str]], *must_name: str, env: dict[str, str] | None = None,
-              no_runs: bool = True) -> Callable[[Path, Path], tuple[bool, str]]:
+def cli_error(
+    args: Callable[[Path, Path], list[str]],
+    *must_name: str,
+    env: dict[str, str] | None = None,
+    no_runs: bool = True,
+) -> Callable[[Path, Path], tuple[bool, str]]:
     def case(state: Path, ref_state: Path) -> tuple[bool, str]:
         t0 = time.perf_counter()
         out = ragen(args(state, ref_state), state, extra_env=env)
@@ -312,6 +342,7 @@ def cli_error(args: Callable[[Path, Path], list[str]], *must_name: str, env: dic
         seconds = time.perf_counter() - t0
         left = no_runs and (state / "runs").exists() and any((state / "runs").iterdir())
         return ok and not left, f"{seconds:.0f} s; " + ("LEFT A RUN FOLDER; " if left else "") + detail
+
     return case
 
 
@@ -360,31 +391,78 @@ CASES: dict[str, tuple[str, Callable[[Path, Path], tuple[bool, str]]]] = {
     "--name /absolute/path": ("error", cli_error(lambda s, r: ["train", "--name", str(s / "abs")], "--name")),
     "--name of 300 characters": ("error", cli_error(lambda s, r: ["train", "--name", "n" * 300], "--name")),
     "YAML syntax error": ("error", cli_error(bad_yaml, "bad.yaml")),
-    "--set with broken YAML": ("error", cli_error(lambda s, r: ["train", "--set", "trainer.iterations=[1,"],
-                                                  "trainer.iterations")),
+    "--set with broken YAML": (
+        "error",
+        cli_error(lambda s, r: ["train", "--set", "trainer.iterations=[1,"], "trainer.iterations"),
+    ),
     "--backend gpu": ("error", cli_error(lambda s, r: ["train", "--backend", "gpu"], "gpu")),
-    "unknown env tag": ("error", cli_error(lambda s, r: ["train", "--set", "train.tags=[Banditt]"], "Bandit")),
-    "hidden size not divisible by heads": ("error", cli_error(lambda s, r: ["train", "--set", "model.hidden_size=65"],
-                                                              "model.hidden_size")),
-    "--resume with another config": ("error", cli_error(
-        lambda s, r: ["train", "configs/sokoban-tiny.yaml", "--resume", ref_id(r)], "cannot resume", no_runs=False)),
-    "--resume changing the learning rate": ("error", cli_error(
-        lambda s, r: ["train", "--resume", ref_id(r), "--set", "learner.optim.actor_lr=1"], "actor_lr", no_runs=False)),
-    "unknown run to resume": ("error", cli_error(lambda s, r: ["train", "--resume", "no-such-run"], "no-such-run")),
-    "evaluate RUN@abc": ("error", cli_error(lambda s, r: ["evaluate", f"{ref_id(r)}@abc"], "abc", no_runs=False)),
-    "evaluate RUN@99": ("error", cli_error(lambda s, r: ["evaluate", f"{ref_id(r)}@99"], "99", no_runs=False)),
-    "rerun learn of iteration 0": ("error", cli_error(
-        lambda s, r: ["rerun", ref_id(r), "--iteration", "0", "--stage", "learn"], "iteration 0", no_runs=False)),
+    "unknown env tag": (
+        "error",
+        cli_error(lambda s, r: ["train", "--set", "train.tags=[Banditt]"], "Bandit"),
+    ),
+    "hidden size not divisible by heads": (
+        "error",
+        cli_error(lambda s, r: ["train", "--set", "model.hidden_size=65"], "model.hidden_size"),
+    ),
+    "--resume with another config": (
+        "error",
+        cli_error(
+            lambda s, r: ["train", "configs/sokoban-tiny.yaml", "--resume", ref_id(r)],
+            "cannot resume",
+            no_runs=False,
+        ),
+    ),
+    "--resume changing the learning rate": (
+        "error",
+        cli_error(
+            lambda s, r: ["train", "--resume", ref_id(r), "--set", "learner.optim.actor_lr=1"],
+            "actor_lr",
+            no_runs=False,
+        ),
+    ),
+    "unknown run to resume": (
+        "error",
+        cli_error(lambda s, r: ["train", "--resume", "no-such-run"], "no-such-run"),
+    ),
+    "evaluate RUN@abc": (
+        "error",
+        cli_error(lambda s, r: ["evaluate", f"{ref_id(r)}@abc"], "abc", no_runs=False),
+    ),
+    "evaluate RUN@99": (
+        "error",
+        cli_error(lambda s, r: ["evaluate", f"{ref_id(r)}@99"], "99", no_runs=False),
+    ),
+    "rerun learn of iteration 0": (
+        "error",
+        cli_error(
+            lambda s, r: ["rerun", ref_id(r), "--iteration", "0", "--stage", "learn"],
+            "iteration 0",
+            no_runs=False,
+        ),
+    ),
     "show a Parquet file with a text score": ("error", cli_error(text_score_parquet, "score")),
-    "state folder that cannot be written": ("error", cli_error(
-        lambda s, r: ["train"], "RAGEN_STATE_DIR", env={"RAGEN_STATE_DIR": "/proc/ragen-state"})),
-    "unreachable tracking server": ("error", cli_error(
-        lambda s, r: ["train", str(CONFIG), *tiny_sets(s)], "http://127.0.0.1:9",
-        env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})),
+    "state folder that cannot be written": (
+        "error",
+        cli_error(lambda s, r: ["train"], "RAGEN_STATE_DIR", env={"RAGEN_STATE_DIR": "/proc/ragen-state"}),
+    ),
+    "unreachable tracking server": (
+        "error",
+        cli_error(
+            lambda s, r: ["train", str(CONFIG), *tiny_sets(s)],
+            "http://127.0.0.1:9",
+            env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
+        ),
+    ),
 }
 
-QUICK = ["kill in learn of iteration 2", "two resumes at once", "checkpoint bytes flipped, then resume",
-         "--name ../../escaped", "unknown env tag", "--resume changing the learning rate"]
+QUICK = [
+    "kill in learn of iteration 2",
+    "two resumes at once",
+    "checkpoint bytes flipped, then resume",
+    "--name ../../escaped",
+    "unknown env tag",
+    "--resume changing the learning rate",
+]
 
 
 def main() -> None:
@@ -420,9 +498,14 @@ def main() -> None:
     resumes = [o for o in outcomes if o.kind == "resume"]
     errors = [o for o in outcomes if o.kind == "error"]
     n_resumed, n_clear = sum(o.ok for o in resumes), sum(o.ok for o in errors)
-    print(f"faults: cases {len(outcomes)}, clear errors {n_clear}, resumed with nothing lost {n_resumed}, "
-          f"defects {len(outcomes) - n_resumed - n_clear}")
-    for label, good, group in (("faults_resumed", n_resumed, resumes), ("faults_clear_errors", n_clear, errors)):
+    print(
+        f"faults: cases {len(outcomes)}, clear errors {n_clear}, resumed with nothing lost {n_resumed}, "
+        f"defects {len(outcomes) - n_resumed - n_clear}"
+    )
+    for label, good, group in (
+        ("faults_resumed", n_resumed, resumes),
+        ("faults_clear_errors", n_clear, errors),
+    ):
         ratio = good / len(group) if group else 1.0
         print(f"BENCH {label} ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}")
     shutil.rmtree(base, ignore_errors=True)

@@ -61,21 +61,33 @@ def build_model(seed: int = 0) -> torch.nn.Module:
         return load_policy(MODEL)[0]
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
     )
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def build_batch(n: int = 32, length: int = 256, trained: int = 200, seed: int = 0, vocab: int = 2048) -> TokenBatch:
+def build_batch(
+    n: int = 32, length: int = 256, trained: int = 200, seed: int = 0, vocab: int = 2048
+) -> TokenBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (n, length), generator=g)
     loss_mask = torch.zeros(n, length)
     loss_mask[:, length - trained :] = 1
     return TokenBatch(
-        input_ids=ids, attention_mask=torch.ones(n, length, dtype=torch.long), loss_mask=loss_mask,
-        turn_index=(loss_mask > 0).long(), rollout_logprobs=-torch.rand(n, length, generator=g) * loss_mask,
-        scores=torch.rand(n, generator=g), group_ids=torch.arange(n) // 8,
+        input_ids=ids,
+        attention_mask=torch.ones(n, length, dtype=torch.long),
+        loss_mask=loss_mask,
+        turn_index=(loss_mask > 0).long(),
+        rollout_logprobs=-torch.rand(n, length, generator=g) * loss_mask,
+        scores=torch.rand(n, generator=g),
+        group_ids=torch.arange(n) // 8,
     )
 
 
@@ -85,7 +97,7 @@ def _logp(model: torch.nn.Module, ids: torch.Tensor, trained: int) -> torch.Tens
     the learner does: with a 49k vocabulary the full head would flatter the learner."""
     keep = trained + 1 if MODEL is not None else 0  # 0: every position
     logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[:, :-1].float()
-    targets = ids[:, 1:][:, -logits.shape[1]:]
+    targets = ids[:, 1:][:, -logits.shape[1] :]
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)[:, -trained:]
 
 
@@ -131,7 +143,9 @@ def bare_passes(batch: TokenBatch, micro: int) -> dict[str, Callable[[], None]]:
 def learner_step(batch: TokenBatch, estimator: str, micro: int, one_pass: bool = False) -> Callable[[], None]:
     cfg = LearnerConfig(
         algorithm=AlgorithmConfig(adv_estimator=estimator),
-        optim=OptimConfig(mini_batch_size=len(batch), micro_batch_size=micro, old_logprobs_from_update=one_pass),
+        optim=OptimConfig(
+            mini_batch_size=len(batch), micro_batch_size=micro, old_logprobs_from_update=one_pass
+        ),
     )
     learner = Learner(build_model(), cfg)
     return lambda: learner.step(batch)
@@ -158,20 +172,29 @@ def main() -> None:
     probe = build_model()
     vocab, described = probe.config.vocab_size, type(probe).__name__
     del probe
-    batch = build_batch(vocab=vocab) if MODEL is None else build_batch(n=16, length=256, trained=16, vocab=vocab)
+    batch = (
+        build_batch(vocab=vocab) if MODEL is None else build_batch(n=16, length=256, trained=16, vocab=vocab)
+    )
     tokens = int(batch.attention_mask.sum())
     bare = bare_passes(batch, args.micro)
     if MODEL is None:
-        learners = {"grpo": learner_step(batch, "grpo", args.micro), "ppo_critic": learner_step(batch, "gae", args.micro)}
+        learners = {
+            "grpo": learner_step(batch, "grpo", args.micro),
+            "ppo_critic": learner_step(batch, "gae", args.micro),
+        }
         passes = {"grpo": ["F", "T"], "ppo_critic": ["F", "Fc", "Tc", "T"]}
     else:  # what configs/bandit-smollm2.yaml runs (GRPO), with and without the separate old-log-prob pass
         bare = {k: bare[k] for k in ("F", "T")}
-        learners = {"grpo": learner_step(batch, "grpo", args.micro),
-                    "grpo_one_pass": learner_step(batch, "grpo", args.micro, one_pass=True)}
+        learners = {
+            "grpo": learner_step(batch, "grpo", args.micro),
+            "grpo_one_pass": learner_step(batch, "grpo", args.micro, one_pass=True),
+        }
         passes = {"grpo": ["F", "T"], "grpo_one_pass": ["T"]}
-    print(f"model: {MODEL or 'Qwen2 hidden 128 x 2 layers'} ({described}, vocab {vocab}); batch {len(batch)} x "
-          f"{batch.input_ids.shape[1]} tokens, {int(batch.loss_mask[0].sum())} trained per row; micro-batch "
-          f"{args.micro}; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {MODEL or 'Qwen2 hidden 128 x 2 layers'} ({described}, vocab {vocab}); batch {len(batch)} x "
+        f"{batch.input_ids.shape[1]} tokens, {int(batch.loss_mask[0].sum())} trained per row; micro-batch "
+        f"{args.micro}; torch threads {torch.get_num_threads()}"
+    )
 
     times: dict[str, list[float]] = {k: [] for k in [*bare, *learners]}
     for rep in range(args.reps + 1):  # rep 0 warms up
@@ -187,15 +210,19 @@ def main() -> None:
     for name, needed in passes.items():
         expected = sum(best[p] for p in needed)
         ratio = expected / best[name]
-        print(f"learner {name}: {best[name]:.3f} s/step (median {med[name]:.3f})  {tokens / best[name]:,.0f} "
-              f"tokens/s; bare passes {' + '.join(needed)} = {expected:.3f} s; median ratio "
-              f"{sum(med[p] for p in needed) / med[name]:.2f}")
+        print(
+            f"learner {name}: {best[name]:.3f} s/step (median {med[name]:.3f})  {tokens / best[name]:,.0f} "
+            f"tokens/s; bare passes {' + '.join(needed)} = {expected:.3f} s; median ratio "
+            f"{sum(med[p] for p in needed) / med[name]:.2f}"
+        )
         results.append((f"learner_{name}", ratio))
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS {peak_mb:,.0f} MB")
     for name, ratio in results:
         suffix = "" if MODEL is None else "_real"
-        print(f"BENCH {name}{suffix} ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}")
+        print(
+            f"BENCH {name}{suffix} ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}"
+        )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,12 @@ class Clock:
 
         @functools.wraps(orig)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if (not self.active or self.depth or threading.current_thread() is not threading.main_thread()
-                    or (when is not None and not when(*args, **kwargs))):
+            if (
+                not self.active
+                or self.depth
+                or threading.current_thread() is not threading.main_thread()
+                or (when is not None and not when(*args, **kwargs))
+            ):
                 return orig(*args, **kwargs)
             self.depth += 1
             t0 = time.perf_counter()
@@ -112,11 +116,21 @@ PIPE = "pipeline storage (flow only)"
 PREFECT = "Prefect (flow only)"
 MLFLOW = "MLflow (flow only)"
 LABELS = [
-    (SHARED, "worker rollout"), (SHARED, "learner step"), (SHARED, "weight sync"), (SHARED, "token batch"),
-    (PIPE, "Parquet write"), (PIPE, "Parquet read"), (PIPE, "checkpoint save + tokenizer copy"),
-    (PIPE, "JSON / DONE writes (fsync)"), (PIPE, "response metrics from table"), (PIPE, "run.config() / run.info()"),
-    (PIPE, "stage records (digests)"), (PREFECT, "result persistence"), (PREFECT, "cache lookups"),
-    (MLFLOW, "log_iteration (log_batch)"), (MLFLOW, "artifact upload (rollouts/eval Parquet)"),
+    (SHARED, "worker rollout"),
+    (SHARED, "learner step"),
+    (SHARED, "weight sync"),
+    (SHARED, "token batch"),
+    (PIPE, "Parquet write"),
+    (PIPE, "Parquet read"),
+    (PIPE, "checkpoint save + tokenizer copy"),
+    (PIPE, "JSON / DONE writes (fsync)"),
+    (PIPE, "response metrics from table"),
+    (PIPE, "run.config() / run.info()"),
+    (PIPE, "stage records (digests)"),
+    (PREFECT, "result persistence"),
+    (PREFECT, "cache lookups"),
+    (MLFLOW, "log_iteration (log_batch)"),
+    (MLFLOW, "artifact upload (rollouts/eval Parquet)"),
     (MLFLOW, "transcripts (read Parquet + json + log_table)"),
 ]
 
@@ -127,7 +141,9 @@ def instrument(clock: Clock) -> None:
     import flows.train as ft
     from ragen_core import actors, pipeline, stage_record, tracking
 
-    clock.wrap(pipeline.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout")
+    clock.wrap(
+        pipeline.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
+    )
     for cls in (actors.LearnerWorker, actors.LearnerGroup):
         clock.wrap(cls, "step", "learner step")
         clock.wrap(cls, "save_checkpoint", "checkpoint save + tokenizer copy")
@@ -165,7 +181,10 @@ class ServerCPU:
                 continue
             try:
                 stat = (d / "stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"prefect" in (d / "cmdline").read_bytes():
+                if (
+                    int(stat.rsplit(")", 1)[1].split()[1]) == me
+                    and b"prefect" in (d / "cmdline").read_bytes()
+                ):
                     pids.append(int(d.name))
             except (OSError, ValueError, IndexError):
                 continue
@@ -195,22 +214,39 @@ def cpu_now() -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------ set-up
-def bench_config(config: str, iterations: int, backend: str, threads: int, run_root: Path,
-                 iteration_as: str | None = None) -> Any:
+def bench_config(
+    config: str, iterations: int, backend: str, threads: int, run_root: Path, iteration_as: str | None = None
+) -> Any:
     from ragen_core.config import load_config
 
-    return load_config(config, [*([f"trainer.iteration_as={iteration_as}"] if iteration_as else []),
-        f"trainer.backend={backend}", f"trainer.iterations={iterations}", "trainer.val_before_train=false",
-        "trainer.eval_every=0", f"trainer.rollout_threads={threads}", f"trainer.run_root={run_root}",
-    ])
+    return load_config(
+        config,
+        [
+            *([f"trainer.iteration_as={iteration_as}"] if iteration_as else []),
+            f"trainer.backend={backend}",
+            f"trainer.iterations={iterations}",
+            "trainer.val_before_train=false",
+            "trainer.eval_every=0",
+            f"trainer.rollout_threads={threads}",
+            f"trainer.run_root={run_root}",
+        ],
+    )
 
 
 def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
     """The SFT warm start of ``cfg``, cached by (model, sft, agent) config; (path, seconds, cached)."""
     from ragen_core import pipeline
 
-    key = hashlib.sha256(json.dumps([cfg.model.model_dump(mode="json"), cfg.sft.model_dump(mode="json") if cfg.sft
-                                     else None, cfg.agent.model_dump(mode="json")], sort_keys=True).encode())
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                cfg.model.model_dump(mode="json"),
+                cfg.sft.model_dump(mode="json") if cfg.sft else None,
+                cfg.agent.model_dump(mode="json"),
+            ],
+            sort_keys=True,
+        ).encode()
+    )
     path = CACHE / f"init_policy-{key.hexdigest()[:16]}"
     if (path / "config.json").exists() and not fresh:
         seconds = json.loads((path / "bench_seconds.json").read_text())["seconds"]
@@ -263,8 +299,9 @@ class Plain:
         cfg, s = self.cfg, self.session
         c0 = cpu_now()
         t0 = time.perf_counter()
-        table, _env_metrics = s.call_worker("rollout", "train", k - 1, _sampling(cfg, "train"), cfg.trainer.seed,
-                                            self.run_id)
+        table, _env_metrics = s.call_worker(
+            "rollout", "train", k - 1, _sampling(cfg, "train"), cfg.trainer.seed, self.run_id
+        )
         t1 = time.perf_counter()
         scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
         groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
@@ -284,8 +321,12 @@ class Plain:
         self.times[k] = t5 - t0
         self.cpu[k] = (c1[0] - c0[0], c1[1] - c0[1])
         if k > 1:
-            for name, dt in (("worker rollout", t1 - t0 + t5 - t4), ("filter + token batch", t2 - t1),
-                             ("learner step", t3 - t2), ("weight sync", t4 - t3)):
+            for name, dt in (
+                ("worker rollout", t1 - t0 + t5 - t4),
+                ("filter + token batch", t2 - t1),
+                ("learner step", t3 - t2),
+                ("weight sync", t4 - t3),
+            ):
                 self.parts[name] += dt
         self.checks[k] = (float(scores.mean()), len(kept))
 
@@ -294,7 +335,7 @@ class Plain:
 
 
 # ------------------------------------------------------------------------------------ one comparison
-def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bool) -> dict[str, Any]:
+def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bool) -> dict[str, Any]:  # noqa: C901 - the ABBA timing harness wraps every hook of the flow in one closure scope
     """Run the train flow on one run directory with the plain loop interleaved; returns all timings."""
     import flows.train as ft
 
@@ -390,7 +431,12 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
 
     real_background = ft.BackgroundLog
     ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
-        iteration_flow, iteration_flow, session, best_step, configure)
+        iteration_flow,
+        iteration_flow,
+        session,
+        best_step,
+        configure,
+    )
     ft.BackgroundLog = RecordedBackground
     try:
         marks["call"] = time.perf_counter()
@@ -398,7 +444,12 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         marks["return"] = time.perf_counter()
     finally:
         ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
-            real_iteration_flow, real_iteration_task, real_session, real_best, real_configure)
+            real_iteration_flow,
+            real_iteration_task,
+            real_session,
+            real_best,
+            real_configure,
+        )
         ft.BackgroundLog = real_background
         clock.active = False
         plain.close()
@@ -414,15 +465,24 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         if abs(flow_check[0] - p_score) > 1e-9 or flow_check[1] != p_kept:
             mismatches.append(f"iteration {k}: flow {flow_check}, plain {(p_score, p_kept)}")
     return {
-        "backend": backend, "n": n, "flow": flow_times, "plain": dict(plain.times), "flow_cpu": flow_cpu, "plain_cpu": dict(plain.cpu), "parts": per_iter_parts,
-        "plain_parts": dict(plain.parts), "mismatches": mismatches, "drains": drains,
+        "backend": backend,
+        "n": n,
+        "flow": flow_times,
+        "plain": dict(plain.times),
+        "flow_cpu": flow_cpu,
+        "plain_cpu": dict(plain.cpu),
+        "parts": per_iter_parts,
+        "plain_parts": dict(plain.parts),
+        "mismatches": mismatches,
+        "drains": drains,
         "startup": {
             "plain Session construction" + (" (starts Ray)" if backend == "ray" else ""): plain.start_s,
             "flow: Prefect start + flow run creation (call -> flow body)": marks["flow_body"] - marks["call"],
-            "flow: MLflow run start + warm-start task + Session (flow body -> iteration 1)":
-                marks["loop"] - marks["flow_body"],
+            "flow: MLflow run start + warm-start task + Session (flow body -> iteration 1)": marks["loop"]
+            - marks["flow_body"],
             "  of which Session construction": session_s[0] if session_s else float("nan"),
-            "flow: end (plots, final-model artifacts, MLflow end, flow return)": marks["return"] - marks["loop_end"],
+            "flow: end (plots, final-model artifacts, MLflow end, flow return)": marks["return"]
+            - marks["loop_end"],
         },
         "profile": prof,
         "result": result,
@@ -436,38 +496,56 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     local = res["backend"] == "local"
     steady = list(range(2, n + 1))
     print(f"\n== backend {res['backend']}: {n} iterations, interleaved (ABBA) ==")
-    print("        wall time (s)                              CPU time (s): this process + Prefect server"
-          + ("" if local else " (Ray actors not counted)"))
+    print(
+        "        wall time (s)                              CPU time (s): this process + Prefect server"
+        + ("" if local else " (Ray actors not counted)")
+    )
     print("iter   plain    flow   flow-plain  ratio        plain          flow")
     for k in range(1, n + 1):
         note = "  (first: excluded)" if k == 1 else ("  (+ validation)" if k == n else "")
-        print(f"{k:4d}  {plain[k]:6.3f}  {flow[k]:6.3f}  {1000 * (flow[k] - plain[k]):8.0f} ms  {flow[k] / plain[k]:5.2f}"
-              f"    {pcpu[k][0]:5.2f} + {pcpu[k][1]:4.2f}   {fcpu[k][0]:5.2f} + {fcpu[k][1]:4.2f}{note}")
+        print(
+            f"{k:4d}  {plain[k]:6.3f}  {flow[k]:6.3f}  {1000 * (flow[k] - plain[k]):8.0f} ms  {flow[k] / plain[k]:5.2f}"
+            f"    {pcpu[k][0]:5.2f} + {pcpu[k][1]:4.2f}   {fcpu[k][0]:5.2f} + {fcpu[k][1]:4.2f}{note}"
+        )
     ratios = [flow[k] / plain[k] for k in steady]
     diffs = [flow[k] - plain[k] for k in steady]
     ratio = statistics.median(ratios)
     overhead = statistics.median(diffs)
     tot_f, tot_p = sum(flow[k] for k in steady), sum(plain[k] for k in steady)
-    print(f"iterations 2..{n}: median plain {statistics.median(plain[k] for k in steady):.3f} s, median flow "
-          f"{statistics.median(flow[k] for k in steady):.3f} s; median ratio {ratio:.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f}); totals ratio {tot_f / tot_p:.3f}; "
-          f"median overhead {1000 * overhead:.0f} ms/iteration (mean {1000 * (tot_f - tot_p) / len(steady):.0f})")
+    print(
+        f"iterations 2..{n}: median plain {statistics.median(plain[k] for k in steady):.3f} s, median flow "
+        f"{statistics.median(flow[k] for k in steady):.3f} s; median ratio {ratio:.3f} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f}); totals ratio {tot_f / tot_p:.3f}; "
+        f"median overhead {1000 * overhead:.0f} ms/iteration (mean {1000 * (tot_f - tot_p) / len(steady):.0f})"
+    )
     cpu_f = sum(sum(fcpu[k]) for k in steady)
     cpu_p = sum(sum(pcpu[k]) for k in steady)
     cpu_ratios = [sum(fcpu[k]) / sum(pcpu[k]) for k in steady]
     if local:
-        print(f"CPU time, iterations 2..{n}: flow {cpu_f / len(steady):.3f} s/iteration (of which Prefect server "
-              f"{sum(fcpu[k][1] for k in steady) / len(steady):.3f}), plain {cpu_p / len(steady):.3f} s/iteration "
-              f"(server {sum(pcpu[k][1] for k in steady) / len(steady):.3f}); median ratio "
-              f"{statistics.median(cpu_ratios):.3f}, totals ratio {cpu_f / cpu_p:.3f}")
+        print(
+            f"CPU time, iterations 2..{n}: flow {cpu_f / len(steady):.3f} s/iteration (of which Prefect server "
+            f"{sum(fcpu[k][1] for k in steady) / len(steady):.3f}), plain {cpu_p / len(steady):.3f} s/iteration "
+            f"(server {sum(pcpu[k][1] for k in steady) / len(steady):.3f}); median ratio "
+            f"{statistics.median(cpu_ratios):.3f}, totals ratio {cpu_f / cpu_p:.3f}"
+        )
     drained = [res["drains"][k] for k in steady if k in res["drains"]]
     if drained:
-        print(f"background MLflow logging waited for before a plain iteration (charged to the flow): "
-              f"{len(drained)} of {len(steady)} iterations, median {1000 * statistics.median(drained):.0f} ms")
-    print(f"all {n} iterations: totals ratio {sum(flow.values()) / sum(plain.values()):.3f}, "
-          f"flow {sum(flow.values()):.2f} s, plain {sum(plain.values()):.2f} s")
-    print("same work on both sides: " + ("yes (mean score and kept rows match every iteration)"
-                                          if not res["mismatches"] else "NO: " + "; ".join(res["mismatches"])))
+        print(
+            f"background MLflow logging waited for before a plain iteration (charged to the flow): "
+            f"{len(drained)} of {len(steady)} iterations, median {1000 * statistics.median(drained):.0f} ms"
+        )
+    print(
+        f"all {n} iterations: totals ratio {sum(flow.values()) / sum(plain.values()):.3f}, "
+        f"flow {sum(flow.values()):.2f} s, plain {sum(plain.values()):.2f} s"
+    )
+    print(
+        "same work on both sides: "
+        + (
+            "yes (mean score and kept rows match every iteration)"
+            if not res["mismatches"]
+            else "NO: " + "; ".join(res["mismatches"])
+        )
+    )
     print("one-time start-up and shutdown (not in the ratio):")
     for name, s in res["startup"].items():
         print(f"  {name:<76} {s:7.2f} s")
@@ -479,8 +557,10 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     for k in steady:
         for label, s in res["parts"][k].items():
             totals[label] += s / m
-    print(f"where a flow iteration's time goes (mean over iterations 2..{n}, ms per iteration; "
-          f"flow {1000 * flow_mean:.0f} ms, plain {1000 * tot_p / m:.0f} ms):")
+    print(
+        f"where a flow iteration's time goes (mean over iterations 2..{n}, ms per iteration; "
+        f"flow {1000 * flow_mean:.0f} ms, plain {1000 * tot_p / m:.0f} ms):"
+    )
     attributed = 0.0
     for group in (SHARED, PIPE, PREFECT, MLFLOW):
         labels = [lab for g, lab in LABELS if g == group]
@@ -495,8 +575,10 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     pp = res["plain_parts"]
     print("  plain loop, same library work:  " + ", ".join(f"{k} {1000 * v / m:.1f}" for k, v in pp.items()))
     shared_flow = sum(totals.get(lab, 0.0) for g, lab in LABELS if g == SHARED)
-    print(f"  flow-only time {1000 * (flow_mean - shared_flow):.0f} ms/iteration "
-          f"(= flow minus its library work; the paired median overhead above is {1000 * overhead:.0f} ms)")
+    print(
+        f"  flow-only time {1000 * (flow_mean - shared_flow):.0f} ms/iteration "
+        f"(= flow minus its library work; the paired median overhead above is {1000 * overhead:.0f} ms)"
+    )
     return ratio, overhead
 
 
@@ -514,15 +596,21 @@ def print_profile(prof: Any, top: int = 40) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 iterations, local backend only")
-    parser.add_argument("--iterations", type=int, default=None, help="iterations per side (default 10; quick 5)")
+    parser.add_argument(
+        "--iterations", type=int, default=None, help="iterations per side (default 10; quick 5)"
+    )
     parser.add_argument("--config", default=str(ROOT / "configs" / "bandit-tiny.yaml"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer.rollout_threads)")
     parser.add_argument("--ray", action="store_true", help="also run the Ray backend (informative)")
     parser.add_argument("--profile", action="store_true", help="cProfile the flow's iterations")
     parser.add_argument("--fresh", action="store_true", help="redo the cached SFT warm start")
     parser.add_argument("--keep", action="store_true", help="keep the temporary state folder")
-    parser.add_argument("--iteration-as", choices=["subflow", "task"], default=None,
-                        help="override trainer.iteration_as (default: the config's)")
+    parser.add_argument(
+        "--iteration-as",
+        choices=["subflow", "task"],
+        default=None,
+        help="override trainer.iteration_as (default: the config's)",
+    )
     args = parser.parse_args()
     n = args.iterations or (5 if args.quick else 10)
     if n < 3:
@@ -543,11 +631,15 @@ def main() -> None:
     try:
         cfg = bench_config(args.config, n, "local", args.threads, state / "runs", args.iteration_as)
         init_policy, warm_s, cached = warm_start_once(cfg, args.fresh)
-        print(f"config {Path(args.config).name}: train {cfg.train.n_groups} groups x {cfg.train.group_size}, "
-              f"iteration as a {cfg.trainer.iteration_as}, max_turn {cfg.agent.max_turn}, max_new_tokens {cfg.rollout.max_new_tokens}, validation "
-              f"{cfg.val.n_groups} x {cfg.val.group_size} after iteration {n}; torch threads {args.threads}")
-        print(f"warm start (SFT, once, shared by both sides): {warm_s:.1f} s"
-              + (f" (cached in {init_policy})" if cached else ""))
+        print(
+            f"config {Path(args.config).name}: train {cfg.train.n_groups} groups x {cfg.train.group_size}, "
+            f"iteration as a {cfg.trainer.iteration_as}, max_turn {cfg.agent.max_turn}, max_new_tokens {cfg.rollout.max_new_tokens}, validation "
+            f"{cfg.val.n_groups} x {cfg.val.group_size} after iteration {n}; torch threads {args.threads}"
+        )
+        print(
+            f"warm start (SFT, once, shared by both sides): {warm_s:.1f} s"
+            + (f" (cached in {init_policy})" if cached else "")
+        )
         results = [compare(cfg, init_policy, "local", clock, args.profile)]
         ratio, overhead = summarize(results[0])
         if args.profile and results[0]["profile"] is not None:
@@ -566,8 +658,12 @@ def main() -> None:
     print()
     print(f"fixed overhead per iteration (flow - plain, median): {1000 * overhead:.0f} ms (local backend)")
     if ray_line is not None:
-        print(f"ray backend (informative): ratio {ray_line[0]:.2f}, overhead {1000 * ray_line[1]:.0f} ms/iteration")
-    print(f"BENCH pipeline_overhead ratio={ratio:.2f} target=<={TARGET:g} {'PASS' if ratio <= TARGET else 'MISS'}")
+        print(
+            f"ray backend (informative): ratio {ray_line[0]:.2f}, overhead {1000 * ray_line[1]:.0f} ms/iteration"
+        )
+    print(
+        f"BENCH pipeline_overhead ratio={ratio:.2f} target=<={TARGET:g} {'PASS' if ratio <= TARGET else 'MISS'}"
+    )
 
 
 if __name__ == "__main__":

@@ -103,7 +103,12 @@ class PairedEngine(RolloutEngine):
             ref()
             out = ours()
         self.calls += 1
-        o_s, o_t, r_s, r_t = (a - b for a, b in zip((self.ours.wall, self.ours.tokens, self.ref.wall, self.ref.tokens), before, strict=True))
+        o_s, o_t, r_s, r_t = (
+            a - b
+            for a, b in zip(
+                (self.ours.wall, self.ours.tokens, self.ref.wall, self.ref.tokens), before, strict=True
+            )
+        )
         self.turn_ratios.append((o_t / o_s) / (r_t / r_s))
         return out
 
@@ -167,7 +172,9 @@ def hf_generate(model, tok, prompts: Sequence[Sequence[int]], max_new_tokens: in
     return int(torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, full).sum())
 
 
-def rollout_pass(model, tok, n_groups: int, group_size: int, max_turn: int, params: SamplingParams, seed: int):
+def rollout_pass(
+    model, tok, n_groups: int, group_size: int, max_turn: int, params: SamplingParams, seed: int
+):
     """One ``run_rollouts`` call with the reference replayed turn by turn; (runner, reference, engine)."""
     groups = EnvGroups(
         EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[n_groups], group_size=group_size),
@@ -205,8 +212,18 @@ class CountingEngine(RolloutEngine):
         self.inner.close()
 
 
-def vllm_vs_hf(model, tok, n_groups: int, group_size: int, max_turn: int, params: SamplingParams,
-               repeats: int, threads: int, device: str = "cpu", folder: str | None = None) -> float:
+def vllm_vs_hf(
+    model,
+    tok,
+    n_groups: int,
+    group_size: int,
+    max_turn: int,
+    params: SamplingParams,
+    repeats: int,
+    threads: int,
+    device: str = "cpu",
+    folder: str | None = None,
+) -> float:
     """Whole ``run_rollouts`` calls with each backend, alternating; prints both; vllm/hf tok/s."""
     import tempfile
 
@@ -222,12 +239,17 @@ def vllm_vs_hf(model, tok, n_groups: int, group_size: int, max_turn: int, params
         vllm = engine_from_policy(path, tok)
         start_s = time.perf_counter() - t0
         engines = {"hf": HFEngine(model, tok), "vllm": vllm}
-        print(f"\nvllm vs hf: run_rollouts, same workload and seeds; vLLM {vllm.info['vllm_version']} "
-              f"(start-up {start_s:.1f} s), {ncpu} core(s) each")
+        print(
+            f"\nvllm vs hf: run_rollouts, same workload and seeds; vLLM {vllm.info['vllm_version']} "
+            f"(start-up {start_s:.1f} s), {ncpu} core(s) each"
+        )
         try:
+
             def one(name: str, seed: int, ng: int = n_groups, gs: int = group_size) -> Clock:
-                groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[ng], group_size=gs),
-                                   ProtocolConfig(max_turn=max_turn))
+                groups = EnvGroups(
+                    EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[ng], group_size=gs),
+                    ProtocolConfig(max_turn=max_turn),
+                )
                 eng = CountingEngine(engines[name])
                 total = Clock()
                 with total:
@@ -239,10 +261,12 @@ def vllm_vs_hf(model, tok, n_groups: int, group_size: int, max_turn: int, params
                 one(name, 99, 2, 2)
             rates: dict[str, list[float]] = {"hf": [], "vllm": []}
             for r in range(repeats):
-                for name in (("hf", "vllm") if r % 2 == 0 else ("vllm", "hf")):
+                for name in ("hf", "vllm") if r % 2 == 0 else ("vllm", "hf"):
                     c = one(name, r)
                     rates[name].append(c.tokens / c.wall)
-                    print(f"  pass {r + 1} {name:4s}: {c.tokens / c.wall:7.0f} tok/s ({c.tokens} tokens, {c.wall:.2f} s)")
+                    print(
+                        f"  pass {r + 1} {name:4s}: {c.tokens / c.wall:7.0f} tok/s ({c.tokens} tokens, {c.wall:.2f} s)"
+                    )
         finally:
             vllm.close()
     hf, vl = statistics.median(rates["hf"]), statistics.median(rates["vllm"])
@@ -259,26 +283,39 @@ def print_vllm_lines(vratio: float, model: str | None) -> None:
     name = Path(model).name.replace("-", "_")
     hf = 1 / vratio
     print(f"BENCH rollout_hf_vs_vllm_{name} ratio={hf:.2f} target=>=0.5 {'PASS' if hf >= 0.5 else 'MISS'}")
-    print(f"BENCH rollout_vllm_vs_hf_{name} ratio={vratio:.2f} target=>=2.5 {'PASS' if vratio >= 2.5 else 'MISS'}")
+    print(
+        f"BENCH rollout_vllm_vs_hf_{name} ratio={vratio:.2f} target=>=2.5 {'PASS' if vratio >= 2.5 else 'MISS'}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="32 trajectories, 2 passes")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads for both sides (default 1: on 2 shared cores, 2 threads collapse "
         "as soon as another process is busy; 0 keeps torch's default)",
     )
     parser.add_argument("--repeats", type=int, default=None, help="rollout passes (default 3, quick 2)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--vllm", action="store_true", help="also compare the vllm backend with hf (needs `make vllm`)")
+    parser.add_argument(
+        "--vllm", action="store_true", help="also compare the vllm backend with hf (needs `make vllm`)"
+    )
     parser.add_argument("--device", default="cpu", help="where the hf side runs (cuda on a GPU machine)")
-    parser.add_argument("--model", default=None,
-                        help="a pretrained policy folder, e.g. .state/models/smollm2-135m-instruct (default: the "
-                        "tiny policy); runs 4 groups x 4 and targets >= 2x model.generate")
-    parser.add_argument("--vllm-only", action="store_true", help="only the vllm vs hf comparison (implies --vllm)")
-    parser.add_argument("--groups", type=int, default=None, help="env groups of 8 (default 16, quick 4, --model 4 of 4)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a pretrained policy folder, e.g. .state/models/smollm2-135m-instruct (default: the "
+        "tiny policy); runs 4 groups x 4 and targets >= 2x model.generate",
+    )
+    parser.add_argument(
+        "--vllm-only", action="store_true", help="only the vllm vs hf comparison (implies --vllm)"
+    )
+    parser.add_argument(
+        "--groups", type=int, default=None, help="env groups of 8 (default 16, quick 4, --model 4 of 4)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -295,7 +332,9 @@ def main() -> None:
 
         model, tok = load_policy(args.model)
     else:
-        model, tok = build_tiny_policy(ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
+        model, tok = build_tiny_policy(
+            ModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+        )
     model.to(args.device).eval()
     build_s = time.perf_counter() - t0
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens)
@@ -308,8 +347,9 @@ def main() -> None:
     )
 
     if args.vllm_only:
-        vratio = vllm_vs_hf(model, tok, n_groups, group_size, max_turn, params, repeats, args.threads,
-                            args.device, args.model)
+        vratio = vllm_vs_hf(
+            model, tok, n_groups, group_size, max_turn, params, repeats, args.threads, args.device, args.model
+        )
         print()
         print_vllm_lines(vratio, args.model)
         return
@@ -320,13 +360,20 @@ def main() -> None:
     engine_wall = runner_wall = 0.0
     rss_first = 0.0
     for r in range(repeats):
-        runner, ref, engine, trajs = rollout_pass(model, tok, n_groups, group_size, max_turn, params, seed + r)
+        runner, ref, engine, trajs = rollout_pass(
+            model, tok, n_groups, group_size, max_turn, params, seed + r
+        )
         rss_first = rss_first or peak_rss_mb()
         overhead = runner.wall - engine.ours.wall
         turn_ratios += engine.turn_ratios
         engine_wall += engine.ours.wall
         runner_wall += runner.wall
-        rows.append((runner.tokens / runner.wall / (ref.tokens / ref.wall), runner.tokens / runner.cpu / (ref.tokens / ref.cpu)))
+        rows.append(
+            (
+                runner.tokens / runner.wall / (ref.tokens / ref.wall),
+                runner.tokens / runner.cpu / (ref.tokens / ref.cpu),
+            )
+        )
         print(
             f"  pass {r + 1}: run_rollouts {runner.tokens / runner.wall:7.0f} tok/s ({runner.tokens} tokens, "
             f"{runner.wall:.2f} s, of which engine {engine.ours.wall:.2f} s, rest {overhead:.2f} s)   "
@@ -361,8 +408,9 @@ def main() -> None:
     target = 2.0 if args.model else 0.85
     vratio = None
     if args.vllm:
-        vratio = vllm_vs_hf(model, tok, n_groups, group_size, max_turn, params, repeats, args.threads,
-                            args.device, args.model)
+        vratio = vllm_vs_hf(
+            model, tok, n_groups, group_size, max_turn, params, repeats, args.threads, args.device, args.model
+        )
         print()
     name = "rollout_tokens_per_s" + ("_" + Path(args.model).name.replace("-", "_") if args.model else "")
     print(f"BENCH {name} ratio={ratio:.2f} target=>={target:g} {'PASS' if ratio >= target else 'MISS'}")

@@ -263,7 +263,9 @@ class CountdownEnv(Env):
         self.data_path = None if data_path is None else Path(data_path)
         self._puzzles = None if self.data_path is None else load_puzzles(self.data_path, max_instances)
         if self._puzzles is None:  # fail at construction on bad ranges, not at the first reset
-            generate_puzzle(0, self.num_count, self.min_number, self.max_number, self.min_target, self.max_target)
+            generate_puzzle(
+                0, self.num_count, self.min_number, self.max_number, self.min_target, self.max_target
+            )
         self.actions = None
         self.nums: list[int] = []
         self.target: int = 0
@@ -302,9 +304,14 @@ class CountdownEnv(Env):
             raise RuntimeError("CountdownEnv.step() before reset(seed)")
         if self._done:  # the answer was already graded: a second one changes nothing
             return StepResult(
-                self._observation, 0.0, True, {"success": False, "action_is_valid": False, "action_is_effective": False}
+                self._observation,
+                0.0,
+                True,
+                {"success": False, "action_is_valid": False, "action_is_effective": False},
             )
-        graded = score_answer(action, self.nums, self.target, score=self.score, format_score=self.format_score)
+        graded = score_answer(
+            action, self.nums, self.target, score=self.score, format_score=self.format_score
+        )
         self._done = True
         self._observation = f"Your answer get {format_reward(graded.reward)} points."
         return StepResult(

@@ -295,7 +295,9 @@ def _state_transitions(desc: Sequence[str], s: int, is_slippery: bool) -> dict[i
     }
 
 
-def build_transitions(desc: Sequence[str], is_slippery: bool = True) -> dict[int, dict[int, list[Transition]]]:
+def build_transitions(
+    desc: Sequence[str], is_slippery: bool = True
+) -> dict[int, dict[int, list[Transition]]]:
     """gymnasium's transition table ``P`` for ``desc`` (same structure, order and floats)."""
     return {s: _state_transitions(desc, s, is_slippery) for s in range(len(desc) * len(desc[0]))}
 
@@ -307,8 +309,12 @@ def _moves(nrow: int, ncol: int) -> list[tuple[int, int, int, int]]:
     for r in range(nrow):
         for c in range(ncol):
             out.append(
-                (r * ncol + max(c - 1, 0), min(r + 1, nrow - 1) * ncol + c,
-                 r * ncol + min(c + 1, ncol - 1), max(r - 1, 0) * ncol + c)
+                (
+                    r * ncol + max(c - 1, 0),
+                    min(r + 1, nrow - 1) * ncol + c,
+                    r * ncol + min(c + 1, ncol - 1),
+                    max(r - 1, 0) * ncol + c,
+                )
             )
     return out
 
@@ -328,8 +334,20 @@ class _MapData:
     table (``transition_table``, the oracle) is built the first time it is asked for.
     """
 
-    __slots__ = ("base", "desc", "flat", "goal_states", "is_slippery", "moves", "ncol", "oracle",
-                 "renders", "start_state", "table", "terminal")
+    __slots__ = (
+        "base",
+        "desc",
+        "flat",
+        "goal_states",
+        "is_slippery",
+        "moves",
+        "ncol",
+        "oracle",
+        "renders",
+        "start_state",
+        "table",
+        "terminal",
+    )
 
     def __init__(self, desc: tuple[str, ...], is_slippery: bool) -> None:
         self.desc = list(desc)
@@ -589,7 +607,10 @@ def optimal_policy(
             k += 1
             row = policy_rows[min(k, len(policy_rows)) - 1]
             new = [
-                sum(prob * (reward + (0.0 if term else values[ns])) for prob, ns, reward, term in table[s][row[s]])
+                sum(
+                    prob * (reward + (0.0 if term else values[ns]))
+                    for prob, ns, reward, term in table[s][row[s]]
+                )
                 for s in range(n)
             ]
             delta = max(abs(x - y) for x, y in zip(new, values, strict=True))

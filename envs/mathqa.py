@@ -103,9 +103,40 @@ def load_questions(path: str | Path) -> list[tuple[str, str]]:
     return questions
 
 
-_NAMES = ("Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Iris", "Jack", "Lena", "Mia",
-          "Noah", "Omar", "Priya", "Sam", "Tara", "Yuki", "Zoe", "Leo")
-_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "books", "shells", "coins", "cards", "stamps")
+_NAMES = (
+    "Ava",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Emma",
+    "Finn",
+    "Grace",
+    "Hugo",
+    "Iris",
+    "Jack",
+    "Lena",
+    "Mia",
+    "Noah",
+    "Omar",
+    "Priya",
+    "Sam",
+    "Tara",
+    "Yuki",
+    "Zoe",
+    "Leo",
+)
+_ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "books",
+    "shells",
+    "coins",
+    "cards",
+    "stamps",
+)
 
 
 def _arith_item(rng: random.Random) -> tuple[str, str, int]:
@@ -246,7 +277,10 @@ class MathQAEnv(Env):
             raise RuntimeError("MathQAEnv.step() before reset(seed)")
         if self._done:  # already answered or out of attempts: nothing more to grade
             return StepResult(
-                self._observation, 0.0, True, {"success": False, "action_is_valid": False, "action_is_effective": False}
+                self._observation,
+                0.0,
+                True,
+                {"success": False, "action_is_valid": False, "action_is_effective": False},
             )
         valid = isinstance(action, str) and action.strip() != ""
         correct = valid and answers_match(action, self.gold_answer, numeric_match=self.numeric_match)

@@ -150,7 +150,9 @@ def make(tag: str, **overrides: Any) -> Env:
     try:
         env = cls(**s.env_config)
     except TypeError as exc:
-        raise TypeError(f"environment tag {tag!r} ({s.env_type}): bad env_config {s.env_config}: {exc}") from exc
+        raise TypeError(
+            f"environment tag {tag!r} ({s.env_type}): bad env_config {s.env_config}: {exc}"
+        ) from exc
     env.tag = s.tag  # type: ignore[attr-defined]
     env.spec = s  # type: ignore[attr-defined]
     return env

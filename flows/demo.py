@@ -75,9 +75,14 @@ def main(
         for env_id in range(min(transcripts, len(g))):
             print_transcript(g, env_id)
         summary.add_row(
-            tag, str(len(g)), f"{metrics[f'{tag}/success']:.2f}", f"{metrics[f'{tag}/num_actions']:.1f}",
-            f"{metrics[f'{tag}/action_is_valid']:.2f}", f"{metrics[f'{tag}/action_is_effective']:.2f}",
-            f"{metrics[f'{tag}/format_penalty']:.2f}", f"{dt:.2f}",
+            tag,
+            str(len(g)),
+            f"{metrics[f'{tag}/success']:.2f}",
+            f"{metrics[f'{tag}/num_actions']:.1f}",
+            f"{metrics[f'{tag}/action_is_valid']:.2f}",
+            f"{metrics[f'{tag}/action_is_effective']:.2f}",
+            f"{metrics[f'{tag}/format_penalty']:.2f}",
+            f"{dt:.2f}",
         )
     console.print(summary)
 

@@ -31,9 +31,12 @@ class EvaluateRequest(BaseModel):
     out_dir: str | None = Field(default=None, description="default: .state/evals/<name>-<time>")
     log_to_mlflow: bool = True
     engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
-    config: str | None = Field(default=None, description="a run config whose agent settings (turns, actions, "
-                               "thinking) and max_new_tokens to play with; default: the run's own, or for a "
-                               "model each tag's catalogue budgets")
+    config: str | None = Field(
+        default=None,
+        description="a run config whose agent settings (turns, actions, "
+        "thinking) and max_new_tokens to play with; default: the run's own, or for a "
+        "model each tag's catalogue budgets",
+    )
 
 
 class EvaluateError(RagenError):
@@ -119,7 +122,11 @@ def budgets(request: EvaluateRequest, protocol: ProtocolConfig | None, max_new: 
         cfg = load_config(request.config, [])
         protocol, max_new = cfg.agent, cfg.rollout.max_new_tokens
     if protocol is not None:
-        return [Budget(tags=request.tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100)]
+        return [
+            Budget(
+                tags=request.tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100
+            )
+        ]
     out: dict[tuple[int, int], Budget] = {}
     for tag in request.tags:
         s = spec(tag)
@@ -148,19 +155,35 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
         for b in plan:
             val = EnvGroupsConfig(tags=b.tags, n_groups=[request.n_per_tag] * len(b.tags), group_size=1)
             if worker is None:
-                worker = RolloutWorker(str(policy), b.protocol.model_dump(), val.model_dump(), val.model_dump(),
-                                       engine=request.engine)
+                worker = RolloutWorker(
+                    str(policy),
+                    b.protocol.model_dump(),
+                    val.model_dump(),
+                    val.model_dump(),
+                    engine=request.engine,
+                )
             else:
                 worker.set_groups("val", b.protocol.model_dump(), val.model_dump())
-            log.info("playing %s: %d episodes each, %d turn(s), %d new tokens per turn", ",".join(b.tags),
-                     request.n_per_tag, b.protocol.max_turn, b.max_new_tokens)
-            params = {"temperature": request.temperature, "top_p": 1.0, "top_k": -1,
-                      "max_new_tokens": b.max_new_tokens}
+            log.info(
+                "playing %s: %d episodes each, %d turn(s), %d new tokens per turn",
+                ",".join(b.tags),
+                request.n_per_tag,
+                b.protocol.max_turn,
+                b.max_new_tokens,
+            )
+            params = {
+                "temperature": request.temperature,
+                "top_p": 1.0,
+                "top_k": -1,
+                "max_new_tokens": b.max_new_tokens,
+            }
             table, m = worker.rollout("val", 0, params, request.seed, label)
             tables.append(table)
             env_metrics.update({k: v for k, v in m.items() if k != "success"})
             for tag in b.tags:
-                log.info("%s: success %.3f (%s)", tag, m[f"{tag}/success"], duration(time.perf_counter() - t0))
+                log.info(
+                    "%s: success %.3f (%s)", tag, m[f"{tag}/success"], duration(time.perf_counter() - t0)
+                )
     finally:
         if worker is not None:
             worker.close()

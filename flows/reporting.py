@@ -43,12 +43,17 @@ def duration(seconds: float) -> str:
 
 def _tag_mean(metrics: Mapping[str, float], prefix: str, key: str) -> float | None:
     """Mean over the tags of ``{prefix}/{tag}/{key}`` (NaN-free), or None when no tag has it."""
-    values = [v for k, v in metrics.items()
-              if k.startswith(prefix + "/") and k.endswith("/" + key) and k.count("/") == 2 and not math.isnan(v)]
+    values = [
+        v
+        for k, v in metrics.items()
+        if k.startswith(prefix + "/") and k.endswith("/" + key) and k.count("/") == 2 and not math.isnan(v)
+    ]
     return sum(values) / len(values) if values else None
 
 
-def iteration_line(k: int, total: int, metrics: Mapping[str, float], seconds: float, eta_s: float | None) -> str:
+def iteration_line(
+    k: int, total: int, metrics: Mapping[str, float], seconds: float, eta_s: float | None
+) -> str:
     """``iteration 3/10 | train success 0.62 score +0.41 valid 0.95 | val success 0.88 | 41s | ETA 4m47s``."""
     parts = [f"iteration {k}/{total}"]
     train = [f"success {metrics['train/success']:.2f}"] if "train/success" in metrics else []

@@ -31,10 +31,14 @@ def check_rerun(run: RunDir, k: int, stage: str) -> None:
     last = run.last_complete()
     choose = f"use --iteration 1..{last}" if last else "the run has no complete iteration yet"
     if k == 0 and stage != "evaluate":
-        raise RerunError(f"iteration 0 has no {stage} stage: iterations start at 1, and step 0 (the policy "
-                         f"before training) can only be evaluated (--stage evaluate); {choose}")
+        raise RerunError(
+            f"iteration 0 has no {stage} stage: iterations start at 1, and step 0 (the policy "
+            f"before training) can only be evaluated (--stage evaluate); {choose}"
+        )
     if k > last:
-        raise RerunError(f"iteration {k} of run {run.root.name} is not complete (last complete: {last}); {choose}")
+        raise RerunError(
+            f"iteration {k} of run {run.root.name} is not complete (last complete: {last}); {choose}"
+        )
 
 
 @flow(name="ragen-rerun", flow_run_name="rerun-{request.stage}-{request.iteration}")
@@ -44,5 +48,11 @@ def rerun(request: RerunRequest) -> dict[str, object]:
     check_rerun(run, request.iteration, request.stage)
     result = rerun_stage(run, request.iteration, request.stage, request.out_dir)
     get_run_logger().info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
-    return {"stage": result.stage, "iteration": result.k, "output": str(result.output),
-            "stored": str(result.stored), "identical": result.identical, "detail": result.detail}
+    return {
+        "stage": result.stage,
+        "iteration": result.k,
+        "output": str(result.output),
+        "stored": str(result.stored),
+        "identical": result.identical,
+        "detail": result.detail,
+    }

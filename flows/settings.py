@@ -88,9 +88,13 @@ def start_watchdog() -> str | None:
     name = mine + uuid.uuid4().hex[:8]
     env = {k: v for k, v in os.environ.items() if k != name}  # the watchdog itself is no target
     try:
-        _watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), name],
-                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     start_new_session=True)
+        _watchdog = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), name],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError:  # no watchdog: the run itself still works, as before
         return None
     os.environ[name] = "1"

@@ -119,15 +119,24 @@ def subprocess_train(request: TrainRequest, log_file: Path) -> dict[str, Any]:
     with open(log_file, "a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-                              cwd=Path(__file__).resolve().parents[1]).returncode
+        code = subprocess.run(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ),
+            cwd=Path(__file__).resolve().parents[1],
+        ).returncode
     if code != 0:
         tail = log_file.read_text()[-2000:]
         raise RuntimeError(f"member process exited with {code} (log {log_file}):\n{tail}")
     run = RunDir(request.resume)
     info = run.info()
-    return {"run_id": info.get("run_id"), "run_dir": str(run.root), "mlflow_run_id": info.get("mlflow_run_id"),
-            "last_iteration": run.last_complete()}
+    return {
+        "run_id": info.get("run_id"),
+        "run_dir": str(run.root),
+        "mlflow_run_id": info.get("mlflow_run_id"),
+        "last_iteration": run.last_complete(),
+    }
 
 
 def in_process_train(request: TrainRequest) -> dict[str, Any]:
@@ -182,12 +191,25 @@ class _Sweep:
     # ---------------------------------------------------------------- MLflow
     def start_parent(self) -> str:
         s = self.sweep
-        params = {"sweep.name": s.name, "sweep.base": s.base, "sweep.overrides": s.overrides, "sweep.grid": s.grid,
-                  "sweep.members": [m.model_dump() for m in s.members], "sweep.seeds": s.seeds,
-                  "sweep.seed_keys": s.seed_keys, "sweep.n_members": len(self.members)}
-        tags = {SWEEP_TAG: s.name, SWEEP_HASH_TAG: self.hash, ROLE_TAG: "parent",
-                "ragen.sweep.file": str(self.request.path), "ragen.sweep.compare": json.dumps(s.compare),
-                "ragen.sweep.description": s.description, "ragen.sweep.state": str(self.state_path.resolve())}
+        params = {
+            "sweep.name": s.name,
+            "sweep.base": s.base,
+            "sweep.overrides": s.overrides,
+            "sweep.grid": s.grid,
+            "sweep.members": [m.model_dump() for m in s.members],
+            "sweep.seeds": s.seeds,
+            "sweep.seed_keys": s.seed_keys,
+            "sweep.n_members": len(self.members),
+        }
+        tags = {
+            SWEEP_TAG: s.name,
+            SWEEP_HASH_TAG: self.hash,
+            ROLE_TAG: "parent",
+            "ragen.sweep.file": str(self.request.path),
+            "ragen.sweep.compare": json.dumps(s.compare),
+            "ragen.sweep.description": s.description,
+            "ragen.sweep.state": str(self.state_path.resolve()),
+        }
         try:
             from prefect.context import get_run_context
 
@@ -202,9 +224,16 @@ class _Sweep:
         return run_id
 
     def _child_tags(self, m: Member) -> dict[str, str]:
-        return {SWEEP_TAG: self.sweep.name, SWEEP_HASH_TAG: self.hash, ROLE_TAG: "member", MEMBER_TAG: m.key,
-                GROUP_TAG: m.group, SEED_TAG: str(m.seed), INDEX_TAG: str(m.index),
-                OVERRIDES_TAG: json.dumps(list(m.own_overrides))}
+        return {
+            SWEEP_TAG: self.sweep.name,
+            SWEEP_HASH_TAG: self.hash,
+            ROLE_TAG: "member",
+            MEMBER_TAG: m.key,
+            GROUP_TAG: m.group,
+            SEED_TAG: str(m.seed),
+            INDEX_TAG: str(m.index),
+            OVERRIDES_TAG: json.dumps(list(m.own_overrides)),
+        }
 
     def _child_exists(self, run_id: str | None) -> bool:
         if not run_id:
@@ -256,18 +285,27 @@ class _Sweep:
             run.update_info(mlflow_run_id=e.mlflow_run_id)
         else:
             e.mlflow_run_id = info["mlflow_run_id"]
-        run.update_info(sweep=self.sweep.name, sweep_member=m.key, sweep_parent_run_id=self.state.parent_run_id)
+        run.update_info(
+            sweep=self.sweep.name, sweep_member=m.key, sweep_parent_run_id=self.state.parent_run_id
+        )
         e.status, e.error, e.attempts, e.updated = "running", None, e.attempts + 1, time.time()
         self.save()
-        return TrainRequest(config=self.sweep.base, overrides=list(m.overrides), resume=e.run_dir,
-                            run_name=m.run_name(self.sweep), parent_run_id=self.state.parent_run_id)
+        return TrainRequest(
+            config=self.sweep.base,
+            overrides=list(m.overrides),
+            resume=e.run_dir,
+            run_name=m.run_name(self.sweep),
+            parent_run_id=self.state.parent_run_id,
+        )
 
     def finish(self, m: Member, result: Mapping[str, Any] | None, exc: BaseException | None) -> None:
         e = self.entry(m.key)
         if exc is None:
             e.status, e.error = "finished", None
             e.last_iteration = (result or {}).get("last_iteration")
-            self.log.info("sweep %s: member %s finished (%s iterations)", self.sweep.name, m.key, e.last_iteration)
+            self.log.info(
+                "sweep %s: member %s finished (%s iterations)", self.sweep.name, m.key, e.last_iteration
+            )
         else:
             e.status, e.error = "failed", _error_text(exc)
             self.log.warning("sweep %s: member %s failed: %s", self.sweep.name, m.key, e.error)
@@ -358,26 +396,38 @@ class _Sweep:
         return out
 
 
-def run_sweep(request: SweepRequest, train_fn: TrainFn | None = None,
-              state_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def run_sweep(
+    request: SweepRequest, train_fn: TrainFn | None = None, state_dir: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
     """The sweep as a plain function (the flow's body). ``train_fn`` replaces the training call
     (tests); by default members train in this process (concurrency 1) or in their own processes."""
     state = configure_environment(state_dir)
     s = _Sweep(request, train_fn, state)
     parent = s.start_parent()
     log = s.log
-    log.info("sweep %s: %d members (%d invalid), parent run %s, state %s", s.sweep.name, len(s.members),
-             len(s.errors), parent, s.state_path)
+    log.info(
+        "sweep %s: %d members (%d invalid), parent run %s, state %s",
+        s.sweep.name,
+        len(s.members),
+        len(s.errors),
+        parent,
+        s.state_path,
+    )
     status = "FAILED"
     try:
         s.run_members(s.todo())
         by_status = s.summarize_parent()
         report_dir = s.report()
         status = "FINISHED" if not by_status.get("failed") and not by_status.get("running") else "FAILED"
-        return {"name": s.sweep.name, "parent_run_id": parent, "state_file": str(s.state_path),
-                "report_dir": str(report_dir),
-                "members": {k: v.model_dump() for k, v in s.state.members.items()},
-                "finished": by_status.get("finished", []), "failed": by_status.get("failed", [])}
+        return {
+            "name": s.sweep.name,
+            "parent_run_id": parent,
+            "state_file": str(s.state_path),
+            "report_dir": str(report_dir),
+            "members": {k: v.model_dump() for k, v in s.state.members.items()},
+            "finished": by_status.get("finished", []),
+            "failed": by_status.get("failed", []),
+        }
     finally:
         s.parent.end(status)  # type: ignore[arg-type]
 

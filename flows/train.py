@@ -51,8 +51,11 @@ from tasks.stages import (
 class TrainRequest(BaseModel):
     """What to train (the Prefect UI shows this as a form)."""
 
-    config: str | None = Field(default=None, description="YAML config file (a new run: default configs/bandit-tiny.yaml; "
-                               "with resume: only to check it is the run's own)")
+    config: str | None = Field(
+        default=None,
+        description="YAML config file (a new run: default configs/bandit-tiny.yaml; "
+        "with resume: only to check it is the run's own)",
+    )
     overrides: list[str] = Field(default_factory=list, description="KEY=VALUE, e.g. trainer.iterations=3")
     resume: str | None = Field(default=None, description="run id (or run directory) to continue")
     run_name: str | None = Field(default=None, description="name prefix of a new run")
@@ -62,8 +65,16 @@ class TrainRequest(BaseModel):
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -94,13 +105,17 @@ def _iteration_name(parameters: dict[str, Any]) -> str:
 
 
 #: An iteration as a flow run of its own (``trainer.iteration_as: subflow``, the default) ...
-iteration_flow = flow(name="ragen-iteration",
-                      flow_run_name=lambda: _iteration_name(prefect.runtime.flow_run.parameters))(run_iteration)
+iteration_flow = flow(
+    name="ragen-iteration", flow_run_name=lambda: _iteration_name(prefect.runtime.flow_run.parameters)
+)(run_iteration)
 #: ... or as a parent task run nesting the stage tasks (``task``): Prefect orchestrates task runs on
 #: the client, so this costs no API round trips; the stage tasks' caching decides what reruns.
-iteration_task = task(name="ragen-iteration",
-                      task_run_name=lambda: _iteration_name(prefect.runtime.task_run.parameters),
-                      cache_policy=NO_CACHE, persist_result=False)(run_iteration)
+iteration_task = task(
+    name="ragen-iteration",
+    task_run_name=lambda: _iteration_name(prefect.runtime.task_run.parameters),
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)(run_iteration)
 
 
 def _name_flow_run(name: str, log: Any) -> None:
@@ -125,9 +140,17 @@ def iteration_runner(cfg: RagenConfig) -> Any:
 def _transcripts(path: Path, n: int) -> list[dict[str, Any]]:
     rows = []
     for t in read_trajectories(path)[:n]:
-        rows.append({"env_tag": t.env_tag, "seed": t.seed, "success": t.success, "score": t.score,
-                     "turns": t.turn_count, "actions": t.actions,
-                     "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:])})
+        rows.append(
+            {
+                "env_tag": t.env_tag,
+                "seed": t.seed,
+                "success": t.success,
+                "score": t.score,
+                "turns": t.turn_count,
+                "actions": t.actions,
+                "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:]),
+            }
+        )
     return rows
 
 
@@ -140,8 +163,11 @@ def _log_step(tracker: Tracker, run: RunDir, cfg: RagenConfig, k: int, metrics: 
         if k > 0 and run.rollouts(k).exists():
             tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
             # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
-            tracker.log_transcripts(_transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration), k,
-                                    append_table=k == cfg.trainer.iterations)
+            tracker.log_transcripts(
+                _transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration),
+                k,
+                append_table=k == cfg.trainer.iterations,
+            )
         if run.eval_file(k).exists():
             tracker.log_artifact(run.eval_file(k), "eval")
     tracker.log_iteration(k, metrics)
@@ -163,8 +189,9 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         run = find_run(request.resume)
         lock = RunLock(run.root).acquire()
         try:
-            cfg, changes = resume_config(run.root, run.config(), pipeline.check_resumable(run), request.config,
-                                         request.overrides)
+            cfg, changes = resume_config(
+                run.root, run.config(), pipeline.check_resumable(run), request.config, request.overrides
+            )
         except BaseException:
             lock.release()
             raise
@@ -180,8 +207,12 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
             lock = RunLock(run.root).acquire()
         elif changes:
             record(dump_config(cfg, run.config_path))
-            run.update_info(resumes=[*run.info().get("resumes", []),
-                                     {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}}])
+            run.update_info(
+                resumes=[
+                    *run.info().get("resumes", []),
+                    {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}},
+                ]
+            )
             log.info("resumed with %s", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items()))
         return _train(request, state, run, cfg, tracker, log)
     finally:
@@ -189,19 +220,27 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
             lock.release()
 
 
-def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tracker: Tracker,
-           log: Any) -> dict[str, Any]:
+def _train(  # noqa: C901 - the loop with its resume, monitor and rollback decisions, still to move into ragen_core
+    request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tracker: Tracker, log: Any
+) -> dict[str, Any]:
     if request.backend:
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": request.backend})})
     info = run.info()
     log.info("run %s in %s", info["run_id"], run.root)
     _name_flow_run(f"train/{info['run_id']}", log)
     mlflow_run = tracker.start(
-        info["run_id"], flatten(cfg),
-        tags={"ragen.run_id": info["run_id"], "ragen.config_hash": config_hash(cfg),
-              "ragen.run_dir": str(run.root.resolve()), "mlflow.source.git.commit": _git_commit(),
-              "prefect.flow_run_id": str(get_run_context().flow_run.id), **model_provenance(cfg.model.source())},
-        run_id=info.get("mlflow_run_id"), parent_run_id=request.parent_run_id,
+        info["run_id"],
+        flatten(cfg),
+        tags={
+            "ragen.run_id": info["run_id"],
+            "ragen.config_hash": config_hash(cfg),
+            "ragen.run_dir": str(run.root.resolve()),
+            "mlflow.source.git.commit": _git_commit(),
+            "prefect.flow_run_id": str(get_run_context().flow_run.id),
+            **model_provenance(cfg.model.source()),
+        },
+        run_id=info.get("mlflow_run_id"),
+        parent_run_id=request.parent_run_id,
     )
     run.update_info(mlflow_run_id=mlflow_run)
     # An iteration's MLflow calls overlap the next iteration (in order; errors surface at the next one).
@@ -233,9 +272,15 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         progress = progress_logger()
         clock = IterationClock(cfg.trainer.iterations)
         if k < cfg.trainer.iterations:
-            progress.info("run %s: iterations %d-%d of %d (%s backend)%s", info["run_id"], k + 1,
-                          cfg.trainer.iterations, cfg.trainer.iterations, cfg.trainer.backend,
-                          f", resumed after iteration {k}" if k else "")
+            progress.info(
+                "run %s: iterations %d-%d of %d (%s backend)%s",
+                info["run_id"],
+                k + 1,
+                cfg.trainer.iterations,
+                cfg.trainer.iterations,
+                cfg.trainer.backend,
+                f", resumed after iteration {k}" if k else "",
+            )
         # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
         # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
         iteration = iteration_runner(cfg)
@@ -245,8 +290,10 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
                 metrics = iteration(str(run.root), k)
                 signals = monitor.update(k, metrics)
                 if signals:
-                    background.submit(tracker.set_tags,
-                                      {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
+                    background.submit(
+                        tracker.set_tags,
+                        {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals},
+                    )
                     metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
                     for s in signals:
                         log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
@@ -261,8 +308,9 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
                         log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
                         record = session.roll_back(k, to, [s.name for s in monitor.triggered])
                         monitor.reset_to(to)
-                        background.submit(tracker.set_tags,
-                                          {f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"})
+                        background.submit(
+                            tracker.set_tags, {f"echo_trap.rollback_{monitor.rollbacks}": f"{k}->{to}"}
+                        )
                         if cfg.tracking.log_artifacts:
                             background.submit(tracker.log_artifact, record, "rollbacks")
         background.flush()
@@ -277,16 +325,32 @@ def _train(request: TrainRequest, state: Path, run: RunDir, cfg: RagenConfig, tr
         status = "FINISHED"
         final = run.read_json(run.metrics_file(k)) if k > 0 else {}
         url = tracker.run_url(mlflow_run)
-        progress.info("run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s",
-                      info["run_id"], k, duration(sum(clock.times)), best, mlflow_run, f" ({url})" if url else "")
-        return {"run_id": info["run_id"], "run_dir": str(run.root), "mlflow_run_id": mlflow_run,
-                "mlflow_url": url, "last_iteration": k, "best_step": best, "metrics": final}
+        progress.info(
+            "run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s",
+            info["run_id"],
+            k,
+            duration(sum(clock.times)),
+            best,
+            mlflow_run,
+            f" ({url})" if url else "",
+        )
+        return {
+            "run_id": info["run_id"],
+            "run_dir": str(run.root),
+            "mlflow_run_id": mlflow_run,
+            "mlflow_url": url,
+            "last_iteration": k,
+            "best_step": best,
+            "metrics": final,
+        }
     finally:
         background.close()
         if session is not None:
             drop_session(run)
             session.close()
         tracker.end(status)
-        offline = tracker.offline_message(info["run_id"], run.root)  # MLflow went away mid-run: say what to do
+        offline = tracker.offline_message(
+            info["run_id"], run.root
+        )  # MLflow went away mid-run: say what to do
         if offline:
             log.warning(offline)

@@ -41,7 +41,12 @@ from ragen_core.learner import Learner, LearnerConfig
 from ragen_core.state_folder import state_dir
 
 __all__ = [
-    "LearnerActor", "LearnerGroup", "LearnerPlacementError", "LearnerWorker", "init_ray", "reserve_learners",
+    "LearnerActor",
+    "LearnerGroup",
+    "LearnerPlacementError",
+    "LearnerWorker",
+    "init_ray",
+    "reserve_learners",
 ]
 
 #: Environment of the driver and of every Ray worker. (Not RAY_AUTH_MODE: a cluster given by
@@ -93,14 +98,20 @@ def init_ray(
                 # registered in /tmp/ray, and then refuses num_cpus ("When connecting to an existing
                 # cluster, num_cpus and num_gpus must not be provided").
                 ray.init(
-                    address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
-                    include_dashboard=False, **common,
+                    address="local",
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    object_store_memory=object_store_memory,
+                    include_dashboard=False,
+                    **common,
                 )
             node_ip = ray.util.get_node_ip_address()
             if not ipaddress.ip_address(node_ip).is_loopback:
                 ray.shutdown()
-                raise RuntimeError(f"the local Ray cluster came up on {node_ip}, not on 127.0.0.1: this Ray "
-                                   f"version ({ray.__version__}) needs a new way to keep it on loopback")
+                raise RuntimeError(
+                    f"the local Ray cluster came up on {node_ip}, not on 127.0.0.1: this Ray "
+                    f"version ({ray.__version__}) needs a new way to keep it on loopback"
+                )
     return ray.cluster_resources()
 
 
@@ -133,8 +144,9 @@ def _token_auth() -> None:
     """
     if "RAY_AUTH_MODE" in os.environ:
         return
-    path = Path(os.environ.setdefault(
-        "RAY_AUTH_TOKEN_PATH", str(state_dir().resolve() / "ray" / "auth_token")))
+    path = Path(
+        os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(state_dir().resolve() / "ray" / "auth_token"))
+    )
     if not path.is_file() or not path.read_text().strip():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -150,7 +162,9 @@ def _token_auth() -> None:
         on = False
     if not on:  # a half-enabled mode (processes with a token, this driver without) cannot start at all
         os.environ["RAY_AUTH_MODE"] = "disabled"
-        logging.getLogger(__name__).warning("Ray token auth could not be enabled; the cluster is on loopback only")
+        logging.getLogger(__name__).warning(
+            "Ray token auth could not be enabled; the cluster is on loopback only"
+        )
 
 
 def _get_all(refs: list[Any]) -> list[Any]:
@@ -175,8 +189,13 @@ def _build_model(factory: ModelFactory) -> torch.nn.Module:
 class LearnerWorker:
     """The body of a ``LearnerActor`` (usable in-process too): one rank of the learner group."""
 
-    def __init__(self, cfg: dict[str, Any] | LearnerConfig, model_factory: ModelFactory, rank: int = 0,
-                 world_size: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any] | LearnerConfig,
+        model_factory: ModelFactory,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.cfg = LearnerConfig.model_validate(cfg) if isinstance(cfg, dict) else cfg
         self.model_factory = model_factory
         self.rank, self.world_size = rank, world_size
@@ -205,10 +224,17 @@ class LearnerWorker:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         timeout = timedelta(seconds=timeout_s)
         listen = getattr(self, "_store_socket", None) if self.rank == 0 else None
-        store = dist.TCPStore(host, port, self.world_size, is_master=self.rank == 0, timeout=timeout,
-                              master_listen_fd=listen.fileno() if listen is not None else None)
-        dist.init_process_group(backend=backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timeout)
+        store = dist.TCPStore(
+            host,
+            port,
+            self.world_size,
+            is_master=self.rank == 0,
+            timeout=timeout,
+            master_listen_fd=listen.fileno() if listen is not None else None,
+        )
+        dist.init_process_group(
+            backend=backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
 
     def build(self) -> int:
         """Build the model and the learner (after the process group: rank 0's weights are broadcast)."""
@@ -311,8 +337,14 @@ class LearnerGroup:
             ``reserve_learners``); a group the cluster can never hold fails without waiting.
     """
 
-    def __init__(self, cfg: LearnerConfig, model_factory: ModelFactory, world_size: int = 1,
-                 backend: str | None = None, placement_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        model_factory: ModelFactory,
+        world_size: int = 1,
+        backend: str | None = None,
+        placement_timeout_s: float = 30.0,
+    ) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if world_size < 1:
@@ -329,9 +361,11 @@ class LearnerGroup:
         try:
             self.actors = [
                 LearnerActor.options(
-                    num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement,
-                                                                         placement_group_bundle_index=rank),
+                    num_cpus=cfg.num_cpus,
+                    num_gpus=cfg.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement, placement_group_bundle_index=rank
+                    ),
                 ).remote(cfg_dict, model_factory, rank, world_size)
                 for rank in range(world_size)
             ]
@@ -352,7 +386,9 @@ class LearnerGroup:
         """The policy's full weights (CPU tensors, plain model names; LoRA merged) for rollout actors."""
         return ray.get(self.actors[0].get_weights.remote())
 
-    def save_checkpoint(self, path: str | os.PathLike, iteration: int, extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self, path: str | os.PathLike, iteration: int, extra: dict[str, Any] | None = None
+    ) -> Path:
         results = _get_all([a.save_checkpoint.remote(str(path), iteration, extra) for a in self.actors])
         return Path(results[0])
 

@@ -48,8 +48,10 @@ def tag_problems(tags: Iterable[str], key: str) -> list[str]:
             continue
         close = difflib.get_close_matches(tag, known, n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        problems.append(f"{key}: unknown environment tag {tag!r}; {hint}known tags: {', '.join(known)} "
-                        "(envs/catalogue.yaml)")
+        problems.append(
+            f"{key}: unknown environment tag {tag!r}; {hint}known tags: {', '.join(known)} "
+            "(envs/catalogue.yaml)"
+        )
     return problems
 
 
@@ -59,17 +61,23 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
         return []
     problems = []
     if m.hidden_size % m.num_heads:
-        problems.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
-                        "(each head gets hidden_size / num_heads dimensions); change either, e.g. "
-                        f"model.hidden_size={max(m.num_heads, m.hidden_size // m.num_heads * m.num_heads)}")
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads} "
+            "(each head gets hidden_size / num_heads dimensions); change either, e.g. "
+            f"model.hidden_size={max(m.num_heads, m.hidden_size // m.num_heads * m.num_heads)}"
+        )
     elif (m.hidden_size // m.num_heads) % 2:
-        problems.append(f"model.hidden_size / model.num_heads = {m.hidden_size // m.num_heads} is odd; rotary "
-                        "position embeddings rotate pairs of dimensions, so the head size must be even: change "
-                        "model.hidden_size or model.num_heads")
+        problems.append(
+            f"model.hidden_size / model.num_heads = {m.hidden_size // m.num_heads} is odd; rotary "
+            "position embeddings rotate pairs of dimensions, so the head size must be even: change "
+            "model.hidden_size or model.num_heads"
+        )
     if m.num_heads % m.num_kv_heads:
-        problems.append(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads} "
-                        "(grouped-query attention shares each key/value head among num_heads / num_kv_heads "
-                        "query heads); choose a model.num_kv_heads that divides model.num_heads")
+        problems.append(
+            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads} "
+            "(grouped-query attention shares each key/value head among num_heads / num_kv_heads "
+            "query heads); choose a model.num_kv_heads that divides model.num_heads"
+        )
     return problems
 
 
@@ -109,7 +117,9 @@ class TrainerConfig(BaseModel):
     eval_every: int = Field(default=10, ge=0, description="validate every k iterations (0: only at the ends)")
     val_before_train: bool = Field(default=True)
     seed: int = Field(default=0, description="the run's seed: sampling, shuffles, inits")
-    run_root: str | None = Field(default=None, description="run directories live here (default: <state folder>/runs)")
+    run_root: str | None = Field(
+        default=None, description="run directories live here (default: <state folder>/runs)"
+    )
     backend: Literal["ray", "local"] = Field(
         default="ray", description="ray: rollout and learner actors; local: everything in this process"
     )
@@ -195,13 +205,17 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. --set learner.algorithm.clip_high=0.28)")
+            raise ConfigError(
+                f"override {item!r} is not KEY=VALUE (e.g. --set learner.algorithm.clip_high=0.28)"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"--set {item}: the value is not valid YAML ({problem}); close its brackets and "
-                              f"quotes, or quote it as a string: --set '{key.strip()}=\"...\"'") from None
+            raise ConfigError(
+                f"--set {item}: the value is not valid YAML ({problem}); close its brackets and "
+                f"quotes, or quote it as a string: --set '{key.strip()}=\"...\"'"
+            ) from None
         _set_dotted(tree, key.strip(), value)
     return tree
 
@@ -254,10 +268,14 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"config file {p}: YAML syntax error{where}: {problem}; fix the file there "
-                              "(indentation, a missing ':' or an unclosed bracket or quote)") from None
+            raise ConfigError(
+                f"config file {p}: YAML syntax error{where}: {problem}; fix the file there "
+                "(indentation, a missing ':' or an unclosed bracket or quote)"
+            ) from None
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason}); pass a YAML config") from None
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text ({exc.reason}); pass a YAML config"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)

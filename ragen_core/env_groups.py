@@ -462,8 +462,18 @@ class EnvGroups:
                 )
                 per_env.append(row)
             n = len(items)
-            for k in ("success", "num_actions", *sorted(keys), "num_turns", "reward", "format_penalty", "score"):
+            for k in (
+                "success",
+                "num_actions",
+                *sorted(keys),
+                "num_turns",
+                "reward",
+                "format_penalty",
+                "score",
+            ):
                 metrics[f"{tag}/{k}"] = sum(row.get(k, 0.0) for row in per_env) / n
-            metrics[f"{tag}/pass@{self.group_size}"] = sum(float(group_success[s.group_id]) for s in items) / n
+            metrics[f"{tag}/pass@{self.group_size}"] = (
+                sum(float(group_success[s.group_id]) for s in items) / n
+            )
         metrics["success"] = sum(float(s.success) for s in summaries) / max(len(summaries), 1)
         return metrics

@@ -42,14 +42,23 @@ KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
 )
 
 # OSError numbers that mean "this path cannot be used": the user picks another folder or frees space.
-_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOENT,
-                errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+_PATH_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EEXIST,
+}
 
 _FIXES = {
     errno.EACCES: "make it writable or set RAGEN_STATE_DIR (state) / trainer.run_root (runs) to a writable folder",
     errno.EPERM: "make it writable or set RAGEN_STATE_DIR (state) / trainer.run_root (runs) to a writable folder",
     errno.EROFS: "it is on a read-only file system; set RAGEN_STATE_DIR (state) / trainer.run_root (runs) "
-                 "to a writable folder",
+    "to a writable folder",
     errno.ENOSPC: "the disk is full; free space or set RAGEN_STATE_DIR / trainer.run_root to another disk",
     errno.EDQUOT: "the disk quota is exhausted; free space or set RAGEN_STATE_DIR / trainer.run_root elsewhere",
 }

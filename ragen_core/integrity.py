@@ -60,8 +60,10 @@ def read_sums(folder: str | os.PathLike[str]) -> dict[str, str]:
             continue
         digest, sep, name = line.partition("  ")
         if not sep or len(digest) != 64:
-            raise CorruptFileError(f"{sums}: line {n} is not '<sha256>  <name>'; the digest file is corrupt. "
-                                   "Delete it to read the folder unchecked, or restore the folder")
+            raise CorruptFileError(
+                f"{sums}: line {n} is not '<sha256>  <name>'; the digest file is corrupt. "
+                "Delete it to read the folder unchecked, or restore the folder"
+            )
         out[name.removeprefix("*")] = digest
     return out
 
@@ -90,8 +92,11 @@ def record(path: str | os.PathLike[str]) -> str:
 def record_tree(folder: str | os.PathLike[str]) -> dict[str, str]:
     """Hash every file under ``folder`` and write its ``SHA256SUMS`` (relative posix paths)."""
     folder = Path(folder)
-    sums = {p.relative_to(folder).as_posix(): sha256_file(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != SUMS_NAME}
+    sums = {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != SUMS_NAME
+    }
     _write_sums(folder, sums)
     return sums
 
@@ -109,7 +114,9 @@ def _mismatch(path: Path, expected: str, actual: str, sums: Path, fix: str) -> C
     )
 
 
-def verify(path: str | os.PathLike[str], fix: str = "Restore it from a copy, or rerun the stage that wrote it") -> bool:
+def verify(
+    path: str | os.PathLike[str], fix: str = "Restore it from a copy, or rerun the stage that wrote it"
+) -> bool:
     """Check ``path`` against its recorded digest: True if it matches, False if nothing was recorded.
 
     Raises :class:`CorruptFileError` (naming the file and ``fix``) when it is missing while recorded,
@@ -127,7 +134,9 @@ def verify(path: str | os.PathLike[str], fix: str = "Restore it from a copy, or 
     return True
 
 
-def verify_tree(folder: str | os.PathLike[str], fix: str = "Restore it from a copy, or rerun the stage that wrote it") -> bool:
+def verify_tree(
+    folder: str | os.PathLike[str], fix: str = "Restore it from a copy, or rerun the stage that wrote it"
+) -> bool:
     """Check every file a folder's ``SHA256SUMS`` lists: True if all match, False if it has none."""
     folder = Path(folder)
     sums = read_sums(folder)

@@ -212,7 +212,9 @@ class OptimConfig(BaseModel):
     micro_batch_size: int = Field(
         default=4, ge=1, description="sequences per forward/backward pass on one learner (memory only)"
     )
-    shuffle: bool = Field(default=False, description="shuffle rows before each epoch (seeded by learner.seed)")
+    shuffle: bool = Field(
+        default=False, description="shuffle rows before each epoch (seeded by learner.seed)"
+    )
     old_logprobs_from_update: bool = Field(
         default=False,
         description="when a step makes a single update (ppo_epochs 1, one mini-batch, one learner, no KL in the "
@@ -280,8 +282,15 @@ class ValueModel(nn.Module):
     detached).
     """
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, *, shared: bool = False, seed: int = 0,
-                 init_std: float = 0.02) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        hidden_size: int,
+        *,
+        shared: bool = False,
+        seed: int = 0,
+        init_std: float = 0.02,
+    ) -> None:
         super().__init__()
         param = next(backbone.parameters())
         self.shared = shared
@@ -415,7 +424,10 @@ class Learner:
         if self.critic is not None:
             self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
             self.critic_optim = torch.optim.AdamW(
-                self.critic_params, lr=opt.critic_lr, betas=opt.betas, eps=opt.eps,
+                self.critic_params,
+                lr=opt.critic_lr,
+                betas=opt.betas,
+                eps=opt.eps,
                 weight_decay=opt.weight_decay,
             )
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_optim, lambda _: 1.0)
@@ -427,8 +439,13 @@ class Learner:
     # ---------------------------------------------------------------- construction helpers
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike[str], cfg: LearnerConfig | None = None,
-                        dtype: torch.dtype = torch.float32, **kwargs: Any) -> Learner:
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        cfg: LearnerConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        **kwargs: Any,
+    ) -> Learner:
         """Load the policy (and, with ``optim.critic_model_path``, the critic backbone) from disk."""
         from transformers import AutoModelForCausalLM
 
@@ -456,8 +473,12 @@ class Learner:
             raise ImportError("lora.rank > 0 needs peft: pip install 'ragen-flow[lora]'") from exc
         lc = self.cfg.lora
         config = peft.LoraConfig(
-            r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=lc.target_modules,
-            task_type="CAUSAL_LM", bias="none",
+            r=lc.rank,
+            lora_alpha=lc.alpha,
+            lora_dropout=lc.dropout,
+            target_modules=lc.target_modules,
+            task_type="CAUSAL_LM",
+            bias="none",
         )
         return peft.get_peft_model(policy, config)
 
@@ -484,9 +505,14 @@ class Learner:
             assert self.ref is not None
             yield self.ref
 
-    def _logprobs(self, model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor,
-                  with_entropy: bool = False, entropy_grad: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
 
         Zero outside ``mask``. For the decoder families of ``_HEAD_ONLY_ON_MASK`` the LM head and
@@ -520,8 +546,9 @@ class Learner:
         return _to_targets(values.float() if values.dtype in (torch.bfloat16, torch.float16) else values)
 
     @torch.no_grad()
-    def _infer(self, fn, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor,
-               dtype: torch.dtype) -> torch.Tensor:
+    def _infer(
+        self, fn, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Run ``fn(ids, mask) -> (b, l)`` over this rank's share of the rows in micro-batches; all-reduce."""
         batch, length = input_ids.shape
         out = torch.zeros(batch, length, dtype=dtype, device=self.device)
@@ -537,7 +564,7 @@ class Learner:
 
     # ---------------------------------------------------------------- checks
 
-    def _check_batch(self, batch: Any, turn_scores: torch.Tensor | None) -> None:
+    def _check_batch(self, batch: Any, turn_scores: torch.Tensor | None) -> None:  # noqa: C901 - one independent check per batch field, each with its own message
         names = ("input_ids", "attention_mask", "loss_mask", "turn_index", "scores", "group_ids")
         missing = [n for n in names if getattr(batch, n, None) is None]
         if missing:
@@ -577,7 +604,9 @@ class Learner:
         if bool((loss_mask & ~attention).any()):
             raise BadBatchError("loss_mask has trained tokens on padding (attention_mask 0)")
         if bool(loss_mask[:, 0].any()):
-            raise BadBatchError("loss_mask[:, 0] must be 0: the first token has no context to be sampled from")
+            raise BadBatchError(
+                "loss_mask[:, 0] must be 0: the first token has no context to be sampled from"
+            )
         empty = torch.nonzero(~loss_mask.any(dim=1)).flatten().tolist()
         if empty:
             raise BadBatchError(
@@ -622,8 +651,13 @@ class Learner:
         return torch.where(mask, dense, torch.zeros_like(dense))
 
     def _advantages(
-        self, token_rewards: torch.Tensor, kl: torch.Tensor | None, values: torch.Tensor | None,
-        mask: torch.Tensor, batch: Any, turn_scores: torch.Tensor | None,
+        self,
+        token_rewards: torch.Tensor,
+        kl: torch.Tensor | None,
+        values: torch.Tensor | None,
+        mask: torch.Tensor,
+        batch: Any,
+        turn_scores: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         alg = self.cfg.algorithm
         maskf = mask.to(token_rewards.dtype)
@@ -633,20 +667,26 @@ class Learner:
                 turns = self._dense_turns(batch.turn_index[:, : mask.shape[1]].to(self.device), mask)
                 n_turns = int(turns.max()) + 1
                 if turn_scores is None:  # the trajectory score on its last trained turn
-                    turn_rewards = torch.zeros(mask.shape[0], n_turns, dtype=token_rewards.dtype,
-                                               device=self.device)
+                    turn_rewards = torch.zeros(
+                        mask.shape[0], n_turns, dtype=token_rewards.dtype, device=self.device
+                    )
                     last_turn = torch.where(mask, turns, torch.zeros_like(turns)).max(dim=1).values
                     turn_rewards[torch.arange(mask.shape[0], device=self.device), last_turn] = (
                         batch.scores.to(self.device, token_rewards.dtype)
                     )
                 else:
-                    turn_rewards = torch.zeros(mask.shape[0], max(n_turns, turn_scores.shape[1]),
-                                               dtype=token_rewards.dtype, device=self.device)
+                    turn_rewards = torch.zeros(
+                        mask.shape[0],
+                        max(n_turns, turn_scores.shape[1]),
+                        dtype=token_rewards.dtype,
+                        device=self.device,
+                    )
                     turn_rewards[:, : turn_scores.shape[1]] = turn_scores.to(self.device, token_rewards.dtype)
                 if kl is not None:  # the in-reward KL of a turn's tokens is charged to that turn
                     turn_rewards = turn_rewards.scatter_add(1, turns, -alg.kl_coef * kl * maskf)
-                adv, ret = bilevel_gae(turn_rewards, values, mask, turns, alg.gamma, alg.lam,
-                                       alg.high_level_gamma)
+                adv, ret = bilevel_gae(
+                    turn_rewards, values, mask, turns, alg.gamma, alg.lam, alg.high_level_gamma
+                )
             else:
                 adv, ret = gae(token_rewards, values, mask, alg.gamma, alg.lam)
             if alg.whiten_advantages:
@@ -665,7 +705,7 @@ class Learner:
 
     # ---------------------------------------------------------------- the step
 
-    def step(self, batch: Any, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
+    def step(self, batch: Any, turn_scores: torch.Tensor | None = None) -> dict[str, float]:  # noqa: C901 - the numbered steps of the update, read top to bottom like the paper
         """One learner iteration on ``batch`` (a ``TokenBatch``); returns metrics (floats).
 
         ``turn_scores`` (B, K): reward of each trajectory's k-th trained turn, for bi-level GAE
@@ -693,21 +733,28 @@ class Learner:
         n_mini = max(1, n_seq // opt.mini_batch_size)
         # One update on the whole batch from the current weights: its own forward pass gives the old
         # log-probs (filled in by _update before the loss reads them).
-        from_update = (opt.old_logprobs_from_update and opt.ppo_epochs == 1 and n_mini == 1
-                       and self.world_size == 1 and not alg.use_kl_in_reward)
+        from_update = (
+            opt.old_logprobs_from_update
+            and opt.ppo_epochs == 1
+            and n_mini == 1
+            and self.world_size == 1
+            and not alg.use_kl_in_reward
+        )
         t = time.perf_counter()
         if from_update:
             old_logp = torch.zeros_like(maskf)
         else:
-            old_logp = self._infer(lambda ids, m: self._logprobs(self.policy, ids, m)[0], input_ids, mask,
-                                   lengths, fdtype)
+            old_logp = self._infer(
+                lambda ids, m: self._logprobs(self.policy, ids, m)[0], input_ids, mask, lengths, fdtype
+            )
             timing["old_log_prob"] = time.perf_counter() - t
         ref_logp = None
         if alg.use_ref:
             t = time.perf_counter()
             with self._ref_policy() as ref:
-                ref_logp = self._infer(lambda ids, m: self._logprobs(ref, ids, m)[0], input_ids, mask, lengths,
-                                       fdtype)
+                ref_logp = self._infer(
+                    lambda ids, m: self._logprobs(ref, ids, m)[0], input_ids, mask, lengths, fdtype
+                )
             timing["ref"] = time.perf_counter() - t
         values = None
         if self.critic is not None:
@@ -735,14 +782,22 @@ class Learner:
         epochs_rows = []
         for epoch in range(opt.ppo_epochs):
             if opt.shuffle:
-                gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.global_step * 1009 + epoch)
+                gen = torch.Generator().manual_seed(
+                    self.cfg.seed * 1_000_003 + self.global_step * 1009 + epoch
+                )
                 order = torch.randperm(n_seq, generator=gen).to(dev)
             else:
                 order = torch.arange(n_seq, device=dev)
             epochs_rows.append([order[a:b] for a, b in _split(n_seq, n_mini)])
         data = {
-            "input_ids": input_ids, "mask": mask, "lengths": lengths, "old_logp": old_logp,
-            "ref_logp": ref_logp, "values": values, "returns": returns, "advantages": advantages,
+            "input_ids": input_ids,
+            "mask": mask,
+            "lengths": lengths,
+            "old_logp": old_logp,
+            "ref_logp": ref_logp,
+            "values": values,
+            "returns": returns,
+            "advantages": advantages,
             "old_logp_from_update": from_update,
         }
         acc = _Accum()
@@ -800,10 +855,20 @@ class Learner:
         if critic:
             keys = ["critic/vf_loss", "critic/vf_clipfrac*", "critic/vpred_mean*"]
         else:
-            keys = ["actor/pg_loss", "actor/entropy*", "actor/pg_clipfrac*", "actor/pg_clipfrac_lower*",
-                    "actor/ppo_kl*"] + (["actor/kl_loss"] if alg.use_kl_loss else [])
-        for key in [*keys, f"{prefix}/tokens", f"{prefix}/skipped_steps", f"{prefix}/grad_norm",
-                    f"{prefix}/updates"]:
+            keys = [
+                "actor/pg_loss",
+                "actor/entropy*",
+                "actor/pg_clipfrac*",
+                "actor/pg_clipfrac_lower*",
+                "actor/ppo_kl*",
+            ] + (["actor/kl_loss"] if alg.use_kl_loss else [])
+        for key in [
+            *keys,
+            f"{prefix}/tokens",
+            f"{prefix}/skipped_steps",
+            f"{prefix}/grad_norm",
+            f"{prefix}/updates",
+        ]:
             acc.add(key, 0.0)
         for start in range(0, local.shape[0], opt.micro_batch_size):
             idx = local[start : start + opt.micro_batch_size]
@@ -814,22 +879,35 @@ class Learner:
             if critic:
                 vpred = self._values(ids)
                 loss, m = value_loss(
-                    vpred, data["values"][idx, :width], data["returns"][idx, :width], mask,
-                    clip=alg.value_clip, agg=alg.loss_agg_mode,
-                    global_token_count=global_tokens, global_seq_count=global_seqs,
+                    vpred,
+                    data["values"][idx, :width],
+                    data["returns"][idx, :width],
+                    mask,
+                    clip=alg.value_clip,
+                    agg=alg.loss_agg_mode,
+                    global_token_count=global_tokens,
+                    global_seq_count=global_seqs,
                 )
                 acc.add("critic/vf_loss", loss.detach())
                 acc.add("critic/vf_clipfrac*", m["vf_clipfrac"] * n_tok)
                 acc.add("critic/vpred_mean*", masked_mean(vpred.detach(), mask) * n_tok)
             else:
-                logp, entropy = self._logprobs(self.policy, ids, mask, with_entropy=True,
-                                               entropy_grad=alg.entropy_coeff != 0)
+                logp, entropy = self._logprobs(
+                    self.policy, ids, mask, with_entropy=True, entropy_grad=alg.entropy_coeff != 0
+                )
                 if data["old_logp_from_update"]:
                     data["old_logp"][idx, :width] = logp.detach() * mask
                 pg_loss, m = policy_loss(
-                    logp, data["old_logp"][idx, :width], data["advantages"][idx, :width], mask,
-                    clip_low=alg.clip_low, clip_high=alg.clip_high, dual_clip=alg.dual_clip,
-                    agg=alg.loss_agg_mode, global_token_count=global_tokens, global_seq_count=global_seqs,
+                    logp,
+                    data["old_logp"][idx, :width],
+                    data["advantages"][idx, :width],
+                    mask,
+                    clip_low=alg.clip_low,
+                    clip_high=alg.clip_high,
+                    dual_clip=alg.dual_clip,
+                    agg=alg.loss_agg_mode,
+                    global_token_count=global_tokens,
+                    global_seq_count=global_seqs,
                 )
                 assert entropy is not None
                 ent = agg_loss(entropy, mask, alg.loss_agg_mode, global_tokens, global_seqs)
@@ -882,9 +960,16 @@ class Learner:
 
     # ---------------------------------------------------------------- metrics
 
-    def _metrics(self, sums: dict[str, float], data: dict[str, Any], scores: torch.Tensor,
-                 token_rewards: torch.Tensor, maskf: torch.Tensor, batch: Any,
-                 ref_logp: torch.Tensor | None) -> dict[str, float]:
+    def _metrics(
+        self,
+        sums: dict[str, float],
+        data: dict[str, Any],
+        scores: torch.Tensor,
+        token_rewards: torch.Tensor,
+        maskf: torch.Tensor,
+        batch: Any,
+        ref_logp: torch.Tensor | None,
+    ) -> dict[str, float]:
         out: dict[str, float] = {}
         for prefix in ("actor", "critic"):
             updates = sums.get(f"{prefix}/updates", 0.0)
@@ -923,7 +1008,9 @@ class Learner:
             values, returns = data["values"], data["returns"]
             stats("critic/values", values)
             var_ret = torch.var(returns[mask])
-            out["critic/vf_explained_var"] = float(1.0 - torch.var((returns - values)[mask]) / (var_ret + 1e-5))
+            out["critic/vf_explained_var"] = float(
+                1.0 - torch.var((returns - values)[mask]) / (var_ret + 1e-5)
+            )
         out["rollout/old_log_prob"] = float(masked_mean(data["old_logp"], maskf))
         if ref_logp is not None:
             out["rollout/ref_log_prob"] = float(masked_mean(ref_logp, maskf))
@@ -973,8 +1060,15 @@ class Learner:
         """What must match for a checkpoint to fit: architecture, config hash, parameter shapes."""
         config = getattr(self.policy, "config", None)
         cfg_dict = config.to_dict() if config is not None else {}
-        for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                         "_commit_hash", "use_cache"):
+        for volatile in (
+            "_name_or_path",
+            "transformers_version",
+            "torch_dtype",
+            "dtype",
+            "architectures",
+            "_commit_hash",
+            "use_cache",
+        ):
             cfg_dict.pop(volatile, None)
         cfg_json = json.dumps(cfg_dict, sort_keys=True, default=str)
 
@@ -995,8 +1089,9 @@ class Learner:
             "lora": self.cfg.lora.model_dump() if self.lora else None,
         }
 
-    def save_checkpoint(self, path: str | os.PathLike[str], iteration: int,
-                        extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self, path: str | os.PathLike[str], iteration: int, extra: dict[str, Any] | None = None
+    ) -> Path:
         """Write everything needed to resume into ``path`` atomically (temp dir, then rename).
 
         Layout: ``policy/`` (Hugging Face ``save_pretrained``, safetensors; the adapter with LoRA),
@@ -1026,7 +1121,9 @@ class Learner:
             torch.save(optim_state, tmp / "optim.pt")
             torch.save(_rng_state(), tmp / "rng.pt")
             # One hash per written file, before the manifest that records them (load checks them all).
-            files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            files = {
+                p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()
+            }
             manifest = {
                 "format": CHECKPOINT_FORMAT,
                 "iteration": int(iteration),
@@ -1067,11 +1164,15 @@ class Learner:
         path = Path(path)
         manifest = verify_checkpoint(path)
         if manifest.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}")
+            raise CheckpointError(
+                f"{path}: checkpoint format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}"
+            )
         mine, theirs = self._signature(), manifest.get("signature", {})
         differ = [k for k in mine if mine[k] != theirs.get(k)]
         if differ:
-            details = "; ".join(f"{k}: checkpoint {theirs.get(k)!r} vs this learner {mine[k]!r}" for k in differ)
+            details = "; ".join(
+                f"{k}: checkpoint {theirs.get(k)!r} vs this learner {mine[k]!r}" for k in differ
+            )
             raise CheckpointError(
                 f"{path}: checkpoint from another model or learner setup ({details}). Load it into a "
                 "learner built from the same model (and critic / LoRA settings), or start a new run"
@@ -1079,10 +1180,16 @@ class Learner:
         policy_sd = self._read_policy(path / "policy")
         critic_sd = None
         if self.critic is not None:
-            critic_sd = _read_file(path / "critic.safetensors", lambda f: safetensors.torch.load_file(str(f)), path)
+            critic_sd = _read_file(
+                path / "critic.safetensors", lambda f: safetensors.torch.load_file(str(f)), path
+            )
             _check_state(self.critic, critic_sd, path / "critic.safetensors")
-        optim_state = _read_file(path / "optim.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
-        rng = _read_file(path / "rng.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path)
+        optim_state = _read_file(
+            path / "optim.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path
+        )
+        rng = _read_file(
+            path / "rng.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True), path
+        )
         _check_optim(self.actor_optim, optim_state["actor_optim"], "actor")
         if self.critic_optim is not None:
             _check_optim(self.critic_optim, optim_state["critic_optim"], "critic")
@@ -1105,7 +1212,11 @@ class Learner:
         self.global_step = int(optim_state["global_step"])
         self.skipped_steps = int(optim_state["skipped_steps"])
         _set_rng_state(rng)
-        return {"iteration": manifest["iteration"], "global_step": self.global_step, "extra": manifest["extra"]}
+        return {
+            "iteration": manifest["iteration"],
+            "global_step": self.global_step,
+            "extra": manifest["extra"],
+        }
 
     def _read_policy(self, directory: Path) -> dict[str, torch.Tensor]:
         from ragen_core.models import load_weight_files
@@ -1158,12 +1269,16 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{manifest_file}: corrupt manifest: not a JSON object. {fix}")
     which = f"the checkpoint of iteration {manifest.get('iteration')}"
     if "manifest_sha256" in manifest and manifest["manifest_sha256"] != manifest_digest(manifest):
-        raise CheckpointError(f"{manifest_file}: corrupt manifest: its content does not match its own "
-                              f"manifest_sha256, so {which} cannot be trusted. {fix}")
+        raise CheckpointError(
+            f"{manifest_file}: corrupt manifest: its content does not match its own "
+            f"manifest_sha256, so {which} cannot be trusted. {fix}"
+        )
     for rel, expected in (manifest.get("files") or {}).items():
         f = path / rel
         if not f.is_file():
-            raise CheckpointError(f"{f}: missing, although {manifest_file} lists it: {which} is incomplete. {fix}")
+            raise CheckpointError(
+                f"{f}: missing, although {manifest_file} lists it: {which} is incomplete. {fix}"
+            )
         actual = sha256_file(f)
         if actual != expected:
             raise CheckpointError(
@@ -1179,8 +1294,10 @@ def _checkpoint_repair(path: Path) -> str:
     sees its damaged output and runs again from checkpoint K - 1 (deterministically on CPU)."""
     folder = path.parent.name
     if path.name == "checkpoint" and folder.startswith("iter_") and folder[5:].isdigit():
-        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
-                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+        return (
+            f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+            f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs"
+        )
     return f"Restore {path} from a copy, or start a new run"
 
 
@@ -1189,9 +1306,10 @@ def _read_file(f: Path, read: Any, checkpoint: Path) -> Any:
     try:
         return read(f)
     except Exception as exc:
-        raise CheckpointError(f"{f}: cannot read this checkpoint file (truncated or corrupt?): "
-                              f"{type(exc).__name__}: {exc}. Nothing was loaded. {_checkpoint_repair(checkpoint)}"
-                              ) from exc
+        raise CheckpointError(
+            f"{f}: cannot read this checkpoint file (truncated or corrupt?): "
+            f"{type(exc).__name__}: {exc}. Nothing was loaded. {_checkpoint_repair(checkpoint)}"
+        ) from exc
 
 
 def _tied_groups(module: nn.Module) -> dict[str, list[str]]:
@@ -1245,11 +1363,17 @@ def _rng_state() -> dict[str, Any]:
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {
-            "name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4]),
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
         },
-        "python": {"version": py_state[0], "state": torch.tensor(py_state[1], dtype=torch.int64),
-                   "gauss": py_state[2]},
+        "python": {
+            "version": py_state[0],
+            "state": torch.tensor(py_state[1], dtype=torch.int64),
+            "gauss": py_state[2],
+        },
     }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
@@ -1259,8 +1383,9 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     p = state["python"]
     random.setstate((p["version"], tuple(int(x) for x in p["state"].tolist()), p["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -1279,4 +1404,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-

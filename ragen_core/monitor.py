@@ -42,7 +42,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SignalName = Literal["reward_std_collapse", "grad_norm_spike", "entropy_collapse", "entropy_blowup"]
-SIGNAL_NAMES: tuple[str, ...] = ("reward_std_collapse", "grad_norm_spike", "entropy_collapse", "entropy_blowup")
+SIGNAL_NAMES: tuple[str, ...] = (
+    "reward_std_collapse",
+    "grad_norm_spike",
+    "entropy_collapse",
+    "entropy_blowup",
+)
 _STATE_VERSION = 1
 
 
@@ -82,7 +87,9 @@ class MonitorConfig(BaseModel):
     )
 
     entropy_key: str = Field(default="actor/entropy", description="mean token entropy metric")
-    entropy_init_window: int = Field(default=3, ge=1, description="first values averaged into the initial entropy")
+    entropy_init_window: int = Field(
+        default=3, ge=1, description="first values averaged into the initial entropy"
+    )
     entropy_collapse_ratio: float | None = Field(
         default=0.1, gt=0.0, lt=1.0, description="fires when entropy < ratio x initial"
     )
@@ -222,7 +229,9 @@ class EchoTrapMonitor:
     @property
     def should_rollback(self) -> bool:
         c = self.cfg
-        return c.enabled and c.action == "rollback" and bool(self.triggered) and self.rollbacks < c.max_rollbacks
+        return (
+            c.enabled and c.action == "rollback" and bool(self.triggered) and self.rollbacks < c.max_rollbacks
+        )
 
     @property
     def should_stop(self) -> bool:
@@ -277,7 +286,10 @@ class EchoTrapMonitor:
                 s, val, ref = hit
                 out.append(
                     Signal(
-                        "reward_std_collapse", s, val, ref,
+                        "reward_std_collapse",
+                        s,
+                        val,
+                        ref,
                         f"in-group reward std {_fmt(val)} at step {s} fell below {c.std_collapse_ratio} x its "
                         f"running max {_fmt(ref)} (Echo-Trap early warning, RAGEN Finding 3)",
                     )
@@ -299,10 +311,15 @@ class EchoTrapMonitor:
         hit = self._grad_edge.feed(cond, step, v, ref)
         if hit:
             s, val, r = hit
-            what = "is not finite" if not math.isfinite(val) else f"exceeds {c.grad_spike_factor} x the median"
+            what = (
+                "is not finite" if not math.isfinite(val) else f"exceeds {c.grad_spike_factor} x the median"
+            )
             out.append(
                 Signal(
-                    "grad_norm_spike", s, val, r,
+                    "grad_norm_spike",
+                    s,
+                    val,
+                    r,
                     f"gradient norm {_fmt(val)} at step {s} {what} {_fmt(r)} of the previous "
                     f"{len(self._grad_window)} iterations (irreversible-collapse marker, RAGEN Finding 3)",
                 )
@@ -326,7 +343,10 @@ class EchoTrapMonitor:
                 s, val, ref = hit
                 out.append(
                     Signal(
-                        "entropy_collapse", s, val, ref,
+                        "entropy_collapse",
+                        s,
+                        val,
+                        ref,
                         f"entropy {_fmt(val)} at step {s} fell below {c.entropy_collapse_ratio} x its "
                         f"initial value {_fmt(ref)} (the policy stopped exploring)",
                     )
@@ -337,7 +357,10 @@ class EchoTrapMonitor:
                 s, val, ref = hit
                 out.append(
                     Signal(
-                        "entropy_blowup", s, val, ref,
+                        "entropy_blowup",
+                        s,
+                        val,
+                        ref,
                         f"entropy {_fmt(val)} at step {s} rose above {c.entropy_blowup_ratio} x its "
                         f"initial value {_fmt(ref)} (erratic entropy comes with collapse, RAGEN Fig. 6)",
                     )
@@ -354,7 +377,9 @@ def _by_step(history: Mapping[str, Iterable[tuple[int, float]]]) -> list[tuple[i
     return sorted(steps.items())
 
 
-def detect(history: Mapping[str, Iterable[tuple[int, float]]], cfg: MonitorConfig | None = None) -> list[Signal]:
+def detect(
+    history: Mapping[str, Iterable[tuple[int, float]]], cfg: MonitorConfig | None = None
+) -> list[Signal]:
     """Replay whole metric series (``{key: [(step, value), ...]}``, e.g. ``Tracker.history()``)
     through a fresh monitor; returns every signal, as incremental ``update`` calls would."""
     mon = EchoTrapMonitor(cfg)

@@ -89,8 +89,10 @@ class RunDir:
         iteration are recomputed by resuming from before it: its stages replay what is damaged
         (``stage_record``) and reuse what is intact."""
         if path == self.info_path:
-            return ("Restore it from a copy; it holds the run's identity (run_id, config_hash, mlflow_run_id), "
-                    "which cannot be recomputed")
+            return (
+                "Restore it from a copy; it holds the run's identity (run_id, config_hash, mlflow_run_id), "
+                "which cannot be recomputed"
+            )
         if path == self.config_path:
             return "Restore it from a copy (the run's MLflow artifacts hold config.yaml), or start a new run"
         top = path.relative_to(self.root).parts[0] if path.is_relative_to(self.root) else ""
@@ -98,11 +100,15 @@ class RunDir:
         if path.parent == self.root / "eval" and path.stem.startswith("step_") and path.stem[5:].isdigit():
             k = int(path.stem[5:]) or None  # step 0 (before training) belongs to no iteration
             if k is None:
-                return (f"Restore it from a copy, or recompute it into {self.root / 'reruns'} with "
-                        f"`ragen rerun {self.root} --iteration 0 --stage evaluate`")
+                return (
+                    f"Restore it from a copy, or recompute it into {self.root / 'reruns'} with "
+                    f"`ragen rerun {self.root} --iteration 0 --stage evaluate`"
+                )
         if k is not None:
-            return (f"Restore it from a copy, or delete {self.done_file(k)} and resume the run "
-                    f"(`ragen train --resume`): iteration {k} is recomputed from its intact inputs")
+            return (
+                f"Restore it from a copy, or delete {self.done_file(k)} and resume the run "
+                f"(`ragen train --resume`): iteration {k} is recomputed from its intact inputs"
+            )
         return "Restore it from a copy"
 
     def update_info(self, **values: Any) -> dict[str, Any]:
@@ -118,11 +124,15 @@ class RunDir:
         try:
             return load_config(self.config_path)
         except ConfigError as exc:  # its message names the file already; the fix differs for a run's copy
-            raise RunFileError(f"{' '.join(str(exc).split())}. It is this run's stored config: "
-                               f"{self._repair(self.config_path)}") from exc
+            raise RunFileError(
+                f"{' '.join(str(exc).split())}. It is this run's stored config: "
+                f"{self._repair(self.config_path)}"
+            ) from exc
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise RunFileError(f"{self.config_path}: not valid YAML ({' '.join(str(exc).split())}). "
-                               f"{self._repair(self.config_path)}") from exc
+            raise RunFileError(
+                f"{self.config_path}: not valid YAML ({' '.join(str(exc).split())}). "
+                f"{self._repair(self.config_path)}"
+            ) from exc
 
     # per iteration
     def iter_dir(self, k: int) -> Path:
@@ -254,8 +264,16 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tokenizer.model",
+)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -298,21 +316,29 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and not torch.cuda.is_available():
         if cfg.learner.num_gpus > 0:
-            problems.append(f"learner.num_gpus={cfg.learner.num_gpus} but this machine has no GPU; "
-                            "--set learner.num_gpus=0 (or set RAY_ADDRESS to a cluster with GPUs)")
+            problems.append(
+                f"learner.num_gpus={cfg.learner.num_gpus} but this machine has no GPU; "
+                "--set learner.num_gpus=0 (or set RAY_ADDRESS to a cluster with GPUs)"
+            )
         if cfg.trainer.rollout_gpus > 0:
-            problems.append(f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
-                            "--set trainer.rollout_gpus=0")
+            problems.append(
+                f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
+                "--set trainer.rollout_gpus=0"
+            )
     root = Path(cfg.trainer.run_root or state_dir() / "runs")
     probe = existing_ancestor(root)
     if not probe.is_dir() or not os.access(probe, os.W_OK):
-        problems.append(f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
-                        "--set trainer.run_root")
+        problems.append(
+            f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
+            "--set trainer.run_root"
+        )
     else:
         free_gb = shutil.disk_usage(probe).free / 2**30
         if free_gb < min_free_gb:
-            problems.append(f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
-                            f"more than {min_free_gb} GiB); free space or choose another run root")
+            problems.append(
+                f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
+                f"more than {min_free_gb} GiB); free space or choose another run root"
+            )
     if problems:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
 
@@ -335,12 +361,16 @@ def check_run_name(name: str, source: str = "--name") -> str:
     """``name`` if it is a valid run name, else :class:`RunNameError` naming ``source`` and the rule."""
     if not RUN_NAME.fullmatch(name):
         shown = name if len(name) <= 40 else f"{name[:40]}... ({len(name)} characters)"
-        raise RunNameError(f"{source} {shown!r} is not a valid run name: use 1-64 letters, digits, '-', '_' "
-                           "or '.', starting with a letter or digit")
+        raise RunNameError(
+            f"{source} {shown!r} is not a valid run name: use 1-64 letters, digits, '-', '_' "
+            "or '.', starting with a letter or digit"
+        )
     return name
 
 
-def run_name(cfg: RagenConfig, name: str | None = None, config_path: str | os.PathLike[str] | None = None) -> str:
+def run_name(
+    cfg: RagenConfig, name: str | None = None, config_path: str | os.PathLike[str] | None = None
+) -> str:
     """The name of a new run: ``name`` (``--name``), else ``trainer.run_name``, else the config file's
     stem, else ``run``; checked by :func:`check_run_name`."""
     if name:
@@ -360,7 +390,9 @@ def to_run_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("-_.")[:64]
 
 
-def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None) -> RunDir:
+def create_run(
+    cfg: RagenConfig, name: str | None = None, root: str | os.PathLike[str] | None = None
+) -> RunDir:
     """A new run directory with its config; the run id is ``<name>-<config hash>-<random>``.
 
     ``name`` defaults to ``trainer.run_name`` or ``run`` and must pass :func:`check_run_name`. The id is
@@ -374,8 +406,10 @@ def create_run(cfg: RagenConfig, name: str | None = None, root: str | os.PathLik
     try:
         run.root.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
-        raise OSError(f"cannot create run directory {run.root}: {exc.strerror}; check trainer.run_root "
-                      "is writable and the disk has space") from exc
+        raise OSError(
+            f"cannot create run directory {run.root}: {exc.strerror}; check trainer.run_root "
+            "is writable and the disk has space"
+        ) from exc
     record(dump_config(cfg, run.config_path))
     run.update_info(run_id=run_id, config_hash=chash, created=time.time())
     _index_add(run_id, run.root.resolve())
@@ -428,16 +462,25 @@ class Session:
 
         self.cfg, self.run, self.backend = cfg, run, backend
         worker_args = (
-            str(run.init_policy), cfg.agent.model_dump(), cfg.train.model_dump(), cfg.val.model_dump(),
-            cfg.rollout.engine, cfg.rollout.max_batch_size, cfg.rollout.max_model_len,
-            cfg.trainer.rollout_threads, engine_options(cfg), rollout_dtype(cfg),
+            str(run.init_policy),
+            cfg.agent.model_dump(),
+            cfg.train.model_dump(),
+            cfg.val.model_dump(),
+            cfg.rollout.engine,
+            cfg.rollout.max_batch_size,
+            cfg.rollout.max_model_len,
+            cfg.trainer.rollout_threads,
+            engine_options(cfg),
+            rollout_dtype(cfg),
         )
         if backend == "ray":
             init_ray()
-            self.worker = RolloutActor.options(num_cpus=cfg.trainer.rollout_cpus,
-                                               num_gpus=cfg.trainer.rollout_gpus).remote(*worker_args)
-            self.learner: Any = LearnerGroup(cfg.learner, str(run.init_policy),
-                                             world_size=cfg.trainer.learners)
+            self.worker = RolloutActor.options(
+                num_cpus=cfg.trainer.rollout_cpus, num_gpus=cfg.trainer.rollout_gpus
+            ).remote(*worker_args)
+            self.learner: Any = LearnerGroup(
+                cfg.learner, str(run.init_policy), world_size=cfg.trainer.learners
+            )
         elif backend == "local":
             self.worker = RolloutWorker(*worker_args)
             self.learner = LearnerWorker(cfg.learner, str(run.init_policy))
@@ -475,8 +518,9 @@ class Session:
             raise ValueError(f"a rollback after iteration {k} must go back to an earlier one, not {to}")
         self.restore(to)
         path = self.run.rollback_file(k)
-        atomic_write_text(path, json.dumps({"after": k, "to": to, "signals": list(signals), "at": time.time()},
-                                           indent=1))
+        atomic_write_text(
+            path, json.dumps({"after": k, "to": to, "signals": list(signals), "at": time.time()}, indent=1)
+        )
         return path
 
     def close(self) -> None:
@@ -544,8 +588,11 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
 def check_init_policy(run: RunDir) -> None:
     """Verify ``<run>/init_policy`` against its ``SHA256SUMS`` before a learner or a rollout worker
     loads it (runs from before digests have none and pass)."""
-    verify_tree(run.init_policy, fix="Restore the folder from a copy, or start a new run: every iteration of "
-                                     "this run was trained from it")
+    verify_tree(
+        run.init_policy,
+        fix="Restore the folder from a copy, or start a new run: every iteration of "
+        "this run was trained from it",
+    )
 
 
 def check_resumable(run: RunDir) -> int:
@@ -568,15 +615,21 @@ def check_resumable(run: RunDir) -> int:
 def _sampling(cfg: RagenConfig, split: str) -> dict[str, Any]:
     r = cfg.rollout
     temperature = r.temperature if split == "train" else r.val_temperature
-    return {"temperature": temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": r.max_new_tokens}
+    return {
+        "temperature": temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "max_new_tokens": r.max_new_tokens,
+    }
 
 
 def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int = 1) -> tuple[pa.Table, dict]:
     """One episode per env of ``split`` with the session's current policy: iteration ``k``'s train
     seeds, or the fixed validation seeds. Shared by the stages and their reruns."""
     iteration = k - 1 if split == "train" else 0
-    return session.call_worker("rollout", split, iteration, _sampling(cfg, split), cfg.trainer.seed,
-                               run.info().get("run_id", ""))
+    return session.call_worker(
+        "rollout", split, iteration, _sampling(cfg, split), cfg.trainer.seed, run.info().get("run_id", "")
+    )
 
 
 def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
@@ -665,7 +718,9 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     return metrics
 
 
-def evaluate_stage(cfg: RagenConfig, run: RunDir, step: int, session: Session) -> tuple[Path, dict[str, float]]:
+def evaluate_stage(
+    cfg: RagenConfig, run: RunDir, step: int, session: Session
+) -> tuple[Path, dict[str, float]]:
     """Validation rollouts (fixed seeds, validation temperature) of the policy after ``step`` iterations."""
     record, inputs = run.stage_record("evaluate", step), {"policy": run.policy_after(step)}
     stored = stage_record.load(record, inputs)
@@ -714,8 +769,9 @@ def _tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor])
     return not diff, ("bitwise identical" if not diff else f"{len(diff)} tensors differ, e.g. {diff[:3]}")
 
 
-def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
-                backend: str | None = None) -> RerunResult:
+def rerun_stage(
+    run: RunDir, k: int, stage: str, out_dir: Path | None = None, backend: str | None = None
+) -> RerunResult:
     """Recompute one stage of iteration ``k`` from what is on disk, into ``out_dir`` (default
     ``<run>/reruns/iter_k``), and compare it with the stored result. Nothing stored is overwritten.
 
@@ -733,9 +789,11 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
     if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):
-        raise ValueError(f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
-                         if k == 0 else
-                         f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})")
+        raise ValueError(
+            f"iteration 0 has no {stage} stage: iterations start at 1 (step 0 can only be evaluated)"
+            if k == 0
+            else f"iteration {k} of {run.root} is not complete (last complete: {run.last_complete()})"
+        )
     check_init_policy(run)  # both the learner and the rollout worker start from it
     out_dir = Path(out_dir or run.root / "reruns" / f"iter_{k:04d}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -749,8 +807,14 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
             out = write_table(table, out_dir / "rollouts.parquet")
             _check_stored_table(run.rollouts(k), out)
             same = out.read_bytes() == run.rollouts(k).read_bytes()
-            return RerunResult(stage, k, out, run.rollouts(k), same,
-                               "byte-identical Parquet" if same else "Parquet files differ")
+            return RerunResult(
+                stage,
+                k,
+                out,
+                run.rollouts(k),
+                same,
+                "byte-identical Parquet" if same else "Parquet files differ",
+            )
         if stage == "evaluate":
             session.restore(k)
             table, _ = play(cfg, run, session, "val")
@@ -759,8 +823,16 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
             if stored.exists():
                 _check_stored_table(stored, out)
             same = stored.exists() and out.read_bytes() == stored.read_bytes()
-            return RerunResult(stage, k, out, stored, same, "byte-identical Parquet" if same else
-                               ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"))
+            return RerunResult(
+                stage,
+                k,
+                out,
+                stored,
+                same,
+                "byte-identical Parquet"
+                if same
+                else ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"),
+            )
         from ragen_core.learner import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
@@ -773,8 +845,11 @@ def rerun_stage(run: RunDir, k: int, stage: str, out_dir: Path | None = None,
         try:
             verify_checkpoint(stored)
             stored_policy = _read_weights(stored / "policy" / "model.safetensors")
-            stored_critic = (_read_weights(stored / "critic.safetensors")
-                             if (stored / "critic.safetensors").exists() else None)
+            stored_critic = (
+                _read_weights(stored / "critic.safetensors")
+                if (stored / "critic.safetensors").exists()
+                else None
+            )
         except (CheckpointError, CorruptFileError) as exc:
             raise type(exc)(f"{exc}. {_NOT_COMPARED.format(out=out)}") from exc
         same_policy, d1 = _tensors_equal(_read_weights(out / "policy" / "model.safetensors"), stored_policy)
@@ -808,4 +883,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         return safetensors.torch.load_file(str(path))
     except (safetensors.SafetensorError, OSError) as exc:
-        raise CorruptFileError(f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}") from exc
+        raise CorruptFileError(
+            f"{path}: not a readable safetensors file (truncated or corrupt?): {exc}"
+        ) from exc

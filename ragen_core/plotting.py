@@ -42,8 +42,9 @@ def ema(values: Sequence[float], weight: float = EMA_WEIGHT) -> list[float]:
     return out
 
 
-def _line(ax: Any, pts: Series, color: str, label: str | None, smooth: bool,
-          spread: Sequence[float] | None = None) -> None:
+def _line(
+    ax: Any, pts: Series, color: str, label: str | None, smooth: bool, spread: Sequence[float] | None = None
+) -> None:
     """One curve: raw, or an EMA over the faint raw values; ``spread`` shades mean +- std."""
     xs = [s for s, _ in pts]
     ys = [v for _, v in pts]
@@ -51,11 +52,23 @@ def _line(ax: Any, pts: Series, color: str, label: str | None, smooth: bool,
         ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
         ax.plot(xs, ema(ys), color=color, linewidth=1.8, label=label)
     else:
-        ax.plot(xs, ys, color=color, marker="o" if len(pts) < 30 else None, markersize=3, linewidth=1.5,
-                label=label)
+        ax.plot(
+            xs,
+            ys,
+            color=color,
+            marker="o" if len(pts) < 30 else None,
+            markersize=3,
+            linewidth=1.5,
+            label=label,
+        )
     if spread is not None and any(spread):
-        ax.fill_between(xs, [y - s for y, s in zip(ys, spread, strict=True)],
-                        [y + s for y, s in zip(ys, spread, strict=True)], color=color, alpha=0.12)
+        ax.fill_between(
+            xs,
+            [y - s for y, s in zip(ys, spread, strict=True)],
+            [y + s for y, s in zip(ys, spread, strict=True)],
+            color=color,
+            alpha=0.12,
+        )
 
 
 def _finish(ax: Any) -> None:
@@ -67,13 +80,23 @@ def _finish(ax: Any) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-def _draw(ax: Any, series: Mapping[str, Series], markers: Mapping[str, int], smooth: bool = True,
-          label_markers: bool = True) -> None:
+def _draw(
+    ax: Any,
+    series: Mapping[str, Series],
+    markers: Mapping[str, int],
+    smooth: bool = True,
+    label_markers: bool = True,
+) -> None:
     for i, (label, pts) in enumerate(sorted(series.items())):
         _line(ax, pts, f"C{i % 10}", label, smooth)
     for j, (name, step) in enumerate(sorted(markers.items(), key=lambda kv: kv[1])):
-        ax.axvline(step, color="k", linestyle=("--", ":", "-.")[j % 3], linewidth=1,
-                   label=f"{name} @ {step}" if label_markers else None)
+        ax.axvline(
+            step,
+            color="k",
+            linestyle=("--", ":", "-.")[j % 3],
+            linewidth=1,
+            label=f"{name} @ {step}" if label_markers else None,
+        )
     _finish(ax)
 
 
@@ -119,7 +142,9 @@ def render_plots(
     markers = dict(markers or {})
     panels: list[tuple[str, str, dict[str, Series]]] = []
     for split, label in (("val-env", "Validation success"), ("train", "Training success")):
-        ser = {m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split}
+        ser = {
+            m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split
+        }
         if ser:
             panels.append((f"success_{split}", label, ser))
     for stem, label, keys in RUN_PANELS:
@@ -178,7 +203,9 @@ def render_group_curves(
         for i, (label, curves) in enumerate(groups):
             pts = curves.get(key)
             if pts:
-                _line(ax, [(p[0], p[1]) for p in pts], f"C{i % 10}", label, smooth, spread=[p[2] for p in pts])
+                _line(
+                    ax, [(p[0], p[1]) for p in pts], f"C{i % 10}", label, smooth, spread=[p[2] for p in pts]
+                )
         _finish(ax)
 
     pngs = _Pngs(out_dir)

@@ -42,7 +42,14 @@ __all__ = [
 ]
 
 #: Tokens removed from the think and answer parts (RAGEN's special-token list).
-SPECIAL_TOKENS: tuple[str, ...] = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
 
 Message = dict[str, str]
 
@@ -201,9 +208,7 @@ def reward_content(reward: float) -> str:
     return f"Reward:\n{format_reward(reward)}\n"
 
 
-def first_user_content(
-    prefix: str, record: TurnRecord, t: int, cfg: ProtocolConfig, max_tokens: int
-) -> str:
+def first_user_content(prefix: str, record: TurnRecord, t: int, cfg: ProtocolConfig, max_tokens: int) -> str:
     """The first user message: instruction prefix + the first (windowed) turn, numbered ``t``."""
     return prefix + turn_content(record, t, cfg, max_tokens)
 
@@ -353,7 +358,9 @@ def _strip_special(s: str) -> str:
     return s.strip()
 
 
-def parse_response(text: str, cfg: ProtocolConfig, valid_actions: Sequence[str] | None = None) -> ParsedResponse:
+def parse_response(
+    text: str, cfg: ProtocolConfig, valid_actions: Sequence[str] | None = None
+) -> ParsedResponse:
     """Read one reply (docs/architecture.md, "Agent text protocol"). Never raises.
 
     ``text`` must be ``forced_prefix(cfg) + generated_text`` (the generation prompt ends with the

@@ -22,7 +22,13 @@ from ragen_core.config import RagenConfig, flatten, load_config
 from ragen_core.errors import RagenError
 
 #: Keys a resume may change (exact keys, or prefixes ending in a dot).
-RESUMABLE = ("trainer.iterations", "trainer.eval_every", "trainer.backend", "trainer.iteration_as", "tracking.")
+RESUMABLE = (
+    "trainer.iterations",
+    "trainer.eval_every",
+    "trainer.backend",
+    "trainer.iteration_as",
+    "tracking.",
+)
 
 
 class ResumeError(RagenError, ValueError):
@@ -33,8 +39,13 @@ def _allowed(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
 
 
-def resume_config(run_root: Path, stored: RagenConfig, last_complete: int, config: str | Path | None = None,
-                  overrides: Iterable[str] = ()) -> tuple[RagenConfig, dict[str, tuple[str, str]]]:
+def resume_config(
+    run_root: Path,
+    stored: RagenConfig,
+    last_complete: int,
+    config: str | Path | None = None,
+    overrides: Iterable[str] = (),
+) -> tuple[RagenConfig, dict[str, tuple[str, str]]]:
     """The config to resume with, and the changes made to the stored one (``{key: (stored, new)}``).
 
     ``config`` (a YAML file) and ``overrides`` are applied as for a new run; the result may differ
@@ -45,7 +56,9 @@ def resume_config(run_root: Path, stored: RagenConfig, last_complete: int, confi
         return stored, {}
     given = load_config(config if config is not None else run_root / "config.yaml", overrides)
     old, new = flatten(stored), flatten(given)
-    changes = {k: (old.get(k, "-"), new.get(k, "-")) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    changes = {
+        k: (old.get(k, "-"), new.get(k, "-")) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+    }
     refused = [k for k in changes if not _allowed(k)]
     if refused:
         shown = "; ".join(f"{k}: stored {changes[k][0]}, given {changes[k][1]}" for k in refused[:5])

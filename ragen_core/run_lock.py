@@ -57,13 +57,19 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             h = self.holder()
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"])) if "started" in h else "?"
+            since = (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"])) if "started" in h else "?"
+            )
             raise RunLockedError(
                 f"{self.root}: run is in use by process {h.get('pid', '?')} on {h.get('host', '?')} "
                 f"(since {since}: {h.get('command', '?')}); wait for it to finish or stop it, then resume"
             ) from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                "command": " ".join(sys.argv)[:300]}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "command": " ".join(sys.argv)[:300],
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd

@@ -76,7 +76,8 @@ class SFTConfig(BaseModel):
 
     # ---------------------------------------------------------------- demonstrations
     tags: list[str] = Field(
-        default=["SimpleSokoban"], description="Catalogue tags to demonstrate (one warm start may mix several)."
+        default=["SimpleSokoban"],
+        description="Catalogue tags to demonstrate (one warm start may mix several).",
     )
     episodes_per_tag: int = Field(
         default=256, ge=1, description="Demonstration episodes per tag (one distinct initial state each)."
@@ -112,9 +113,13 @@ class SFTConfig(BaseModel):
     )
 
     # ---------------------------------------------------------------- optimisation
-    steps: int = Field(default=300, ge=1, description="Optimizer steps (the demos are cycled, reshuffled each epoch).")
+    steps: int = Field(
+        default=300, ge=1, description="Optimizer steps (the demos are cycled, reshuffled each epoch)."
+    )
     batch_size: int = Field(default=16, ge=1, description="Sequences per optimizer step.")
-    lr: float = Field(default=3e-3, gt=0.0, description="Peak AdamW learning rate (1e-3..3e-3 for tiny models).")
+    lr: float = Field(
+        default=3e-3, gt=0.0, description="Peak AdamW learning rate (1e-3..3e-3 for tiny models)."
+    )
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="Final lr / peak lr (cosine decay).")
     warmup_steps: int = Field(default=20, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(default=0.01, ge=0.0)
@@ -122,10 +127,14 @@ class SFTConfig(BaseModel):
     grad_clip: float = Field(default=1.0, gt=0.0, description="Max global grad norm.")
     seed: int = Field(default=0, description="Seeds the noise draws and the shuffling.")
     max_seconds: float | None = Field(
-        default=None, gt=0.0, description="Stop training after this many seconds (budget guard); None: no limit."
+        default=None,
+        gt=0.0,
+        description="Stop training after this many seconds (budget guard); None: no limit.",
     )
     num_threads: int | None = Field(
-        default=None, ge=1, description="torch threads while training (restored afterwards); None: leave as is."
+        default=None,
+        ge=1,
+        description="torch threads while training (restored afterwards); None: leave as is.",
     )
     log_every: int = Field(default=10, ge=1, description="Loss-curve resolution (steps).")
 
@@ -193,7 +202,9 @@ def think_text(env: Env, actions: Sequence[str]) -> str:
         boxes = " and ".join(_rc(b, st.width) for b in st.boxes)
         targets = " and ".join(_rc(t, st.width) for t in st.targets)
         b_word, t_word = ("box", "target") if len(st.boxes) == 1 else ("boxes", "targets")
-        return f"Player {_rc(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. I should go {first}."
+        return (
+            f"Player {_rc(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. I should go {first}."
+        )
     if kind == "frozen_lake":
         goals = " and ".join(_rc(g, env.ncol) for g in sorted(env.goal_states))  # type: ignore[attr-defined]
         return f"Player {_rc(env.state, env.ncol)}, goal {goals}. I should go {first}."  # type: ignore[attr-defined]
@@ -211,7 +222,9 @@ def think_text(env: Env, actions: Sequence[str]) -> str:
 # Demonstrations
 # --------------------------------------------------------------------------------------------
 def _rng(*keys: int) -> random.Random:
-    return random.Random(int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(1)[0]))
+    return random.Random(
+        int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(1)[0])
+    )
 
 
 def _noisy_actions(env: Env, plan: list[str], cap: int, rng: random.Random) -> list[str]:
@@ -291,7 +304,9 @@ def build_demonstrations(
             cap = max(1, min(protocol.max_actions_per_turn, actions_left))
             plan = list(oracle_actions(env, actions_left, protocol.max_actions_per_turn, turns_left))
             rng = _rng(cfg.seed, seeds[i], turn + 1)
-            use_oracle = episode_optimal[i] if cfg.noise_unit == "episode" else rng.random() < cfg.optimal_fraction
+            use_oracle = (
+                episode_optimal[i] if cfg.noise_unit == "episode" else rng.random() < cfg.optimal_fraction
+            )
             if use_oracle and plan:
                 chosen, is_opt = plan, True
             else:
@@ -312,8 +327,14 @@ def build_demonstrations(
     for ep in summaries:
         i = ep.env_id
         common = dict(
-            tag=ep.tag, env_id=i, seed=ep.seed, texts=texts[i], actions=acts[i], optimal=optimal[i],
-            success=ep.success, turn_ids=[t.ids for t in turns[i]],
+            tag=ep.tag,
+            env_id=i,
+            seed=ep.seed,
+            texts=texts[i],
+            actions=acts[i],
+            optimal=optimal[i],
+            success=ep.success,
+            turn_ids=[t.ids for t in turns[i]],
         )
         if window <= 0:
             ids, mask, tidx, _ = seg.assemble(groups.messages(i, for_generation=False), turns[i], 0)
@@ -322,7 +343,9 @@ def build_demonstrations(
         history = groups.history(i)
         for j in range(len(turns[i])):
             start = max(0, j + 1 - window)
-            messages = build_messages(groups.prefix(i), history[: j + 1], protocol, groups.max_tokens(i), False)
+            messages = build_messages(
+                groups.prefix(i), history[: j + 1], protocol, groups.max_tokens(i), False
+            )
             ids, mask, tidx, _ = seg.assemble(messages, turns[i][start : j + 1], start)
             mask = [m if t == j else 0 for m, t in zip(mask, tidx, strict=True)]
             demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]

@@ -46,8 +46,13 @@ def load(record: Path, inputs: Mapping[str, Path]) -> dict[str, Any] | None:
     return {"metrics": data.get("metrics", {}), "extra": data.get("extra", {})}
 
 
-def save(record: Path, inputs: Mapping[str, Path], outputs: list[Path], metrics: Mapping[str, float],
-         extra: Mapping[str, Any] | None = None) -> None:
+def save(
+    record: Path,
+    inputs: Mapping[str, Path],
+    outputs: list[Path],
+    metrics: Mapping[str, float],
+    extra: Mapping[str, Any] | None = None,
+) -> None:
     """Write the record of a stage that has just written ``outputs`` from ``inputs``."""
     from ragen_core.pipeline import atomic_write_text
 

@@ -110,12 +110,15 @@ class SweepConfig(BaseModel):
     members: list[MemberSpec] = Field(default_factory=list, description="named variants (crossed with grid)")
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="one run per seed")
     seed_keys: list[str] = Field(
-        default_factory=lambda: ["trainer.seed"], min_length=1,
+        default_factory=lambda: ["trainer.seed"],
+        min_length=1,
         description="config keys a seed sets (e.g. also learner.seed, model.seed, sft.seed)",
     )
     concurrency: int = Field(default=1, ge=1, description="members trained at once")
-    compare: list[str] = Field(default_factory=lambda: list(DEFAULT_COMPARE),
-                               description="metric keys (globs) compared in the report")
+    compare: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_COMPARE),
+        description="metric keys (globs) compared in the report",
+    )
 
     @field_validator("name")
     @classmethod
@@ -188,8 +191,10 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
     try:
         sweep = SweepConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{'.'.join(map(str, e['loc'])) or '(sweep)'}: {str(e['msg']).removeprefix('Value error, ')}"
-                 for e in exc.errors()]
+        lines = [
+            f"{'.'.join(map(str, e['loc'])) or '(sweep)'}: {str(e['msg']).removeprefix('Value error, ')}"
+            for e in exc.errors()
+        ]
         raise SweepError(f"invalid sweep file {p}:\n  " + "\n  ".join(lines)) from None
     base = Path(sweep.base)
     if not base.is_file() and not base.is_absolute():
@@ -198,8 +203,10 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
                 base = folder / sweep.base
                 break
     if not base.is_file():
-        raise SweepError(f"sweep file {p}: base config {sweep.base} not found (relative to the working "
-                         f"directory or to {p.parent})")
+        raise SweepError(
+            f"sweep file {p}: base config {sweep.base} not found (relative to the working "
+            f"directory or to {p.parent})"
+        )
     return sweep.model_copy(update={"base": str(base)})
 
 
@@ -225,18 +232,29 @@ def expand(sweep: SweepConfig) -> list[Member]:
             for seed in sweep.seeds:
                 key = f"{name}-s{seed}"
                 if key in seen:
-                    raise SweepError(f"sweep {sweep.name}: two members expand to the key {key!r}; "
-                                     "rename a member or change the grid values")
+                    raise SweepError(
+                        f"sweep {sweep.name}: two members expand to the key {key!r}; "
+                        "rename a member or change the grid values"
+                    )
                 seen[key] = name
                 seed_over = [f"{k}={seed}" for k in sweep.seed_keys]
                 own = (*vover, *grid_over)
-                out.append(Member(key=key, name=name, seed=seed,
-                                  overrides=(*sweep.overrides, *own, *seed_over),
-                                  index=len(out), own_overrides=own))
+                out.append(
+                    Member(
+                        key=key,
+                        name=name,
+                        seed=seed,
+                        overrides=(*sweep.overrides, *own, *seed_over),
+                        index=len(out),
+                        own_overrides=own,
+                    )
+                )
     return out
 
 
-def validate_members(sweep: SweepConfig, members: Iterable[Member]) -> tuple[dict[str, RagenConfig], dict[str, str]]:
+def validate_members(
+    sweep: SweepConfig, members: Iterable[Member]
+) -> tuple[dict[str, RagenConfig], dict[str, str]]:
     """Load every member's config before anything runs: (configs of the valid ones, errors of the
     others), both by member key. One impossible member never stops the others."""
     from ragen_core.config import load_config
@@ -255,9 +273,16 @@ def sweep_hash(sweep: SweepConfig) -> str:
     """Digest of what the members' results depend on: the base config's text and the definition
     (not ``concurrency``, ``compare`` or ``description``). A changed definition is a new sweep."""
     base_text = Path(sweep.base).read_text() if Path(sweep.base).is_file() else sweep.base
-    blob = json.dumps({"base": base_text, **sweep.model_dump(
-        mode="json", include={"name", "overrides", "grid", "members", "seeds", "seed_keys"})},
-        sort_keys=True, separators=(",", ":"))
+    blob = json.dumps(
+        {
+            "base": base_text,
+            **sweep.model_dump(
+                mode="json", include={"name", "overrides", "grid", "members", "seeds", "seed_keys"}
+            ),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
@@ -407,12 +432,18 @@ def _markdown(r: Report, plots: Sequence[str]) -> str:
     if r.description:
         lines += [r.description.strip(), ""]
     n_ok = sum(m.status == "FINISHED" for m in r.members)
-    lines += [f"MLflow parent run `{r.parent_run_id}` ({r.tracking_uri}); {len(r.members)} member(s): "
-              f"{n_ok} finished, {len(r.failed)} failed, {len(r.members) - n_ok - len(r.failed)} other. "
-              f"Generated {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.generated))}.", ""]
-    lines += ["Success: validation success rate (`val-env/...`), final = last evaluation, peak = best "
-              "evaluation and its iteration. Collapse: first Echo-Trap signal (`ragen_core.monitor.detect` "
-              "on the run's history). Groups: mean ± sample std over the finished seeds.", ""]
+    lines += [
+        f"MLflow parent run `{r.parent_run_id}` ({r.tracking_uri}); {len(r.members)} member(s): "
+        f"{n_ok} finished, {len(r.failed)} failed, {len(r.members) - n_ok - len(r.failed)} other. "
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.generated))}.",
+        "",
+    ]
+    lines += [
+        "Success: validation success rate (`val-env/...`), final = last evaluation, peak = best "
+        "evaluation and its iteration. Collapse: first Echo-Trap signal (`ragen_core.monitor.detect` "
+        "on the run's history). Groups: mean ± sample std over the finished seeds.",
+        "",
+    ]
     keys = r.compare
     # groups
     lines += ["## Groups (mean ± std over seeds)", ""]
@@ -425,8 +456,12 @@ def _markdown(r: Report, plots: Sequence[str]) -> str:
         row = [g.name, f"{g.n_finished}/{len(g.members)}"]
         for k in keys:
             row += [_stat(g.final.get(k)), _stat(g.peak.get(k)), _stat(g.peak_step.get(k), 1)]
-        row += [f"{g.collapsed}/{g.n_finished}", _stat(g.collapse_step, 1), _stat(g.wall_s, 0),
-                _stat(g.tokens, 0)]
+        row += [
+            f"{g.collapsed}/{g.n_finished}",
+            _stat(g.collapse_step, 1),
+            _stat(g.wall_s, 0),
+            _stat(g.tokens, 0),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     # members
@@ -474,7 +509,9 @@ def _monitor_from_params(params: Mapping[str, str], fallback: MonitorConfig | No
 
     if fallback is not None:
         return fallback
-    values = {k.removeprefix("monitor."): _parse_param(v) for k, v in params.items() if k.startswith("monitor.")}
+    values = {
+        k.removeprefix("monitor."): _parse_param(v) for k, v in params.items() if k.startswith("monitor.")
+    }
     try:
         return MonitorConfig.model_validate(values)
     except ValidationError:
@@ -523,9 +560,12 @@ def child_runs(tracker: Tracker, parent_run_id: str) -> list[Any]:
     runs: list[Any] = []
     token = None
     while True:
-        page = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
-                                  max_results=1000, page_token=token)
+        page = client.search_runs(
+            [parent.info.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+            max_results=1000,
+            page_token=token,
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -578,22 +618,24 @@ def build_report(
         start, end = run.info.start_time, run.info.end_time
         iters = hist.get(ITERATION_KEY)
         tokens = hist.get(TOKENS_KEY)
-        members.append(MemberResult(
-            key=key,
-            group=tags.get(GROUP_TAG, key),
-            seed=int(seed_raw) if seed_raw not in (None, "", "None") else None,
-            status=status,
-            error=tags.get(ERROR_TAG) or (None if status != "FAILED" else "run failed (see its logs)"),
-            mlflow_run_id=run.info.run_id,
-            run_id=tags.get("ragen.run_id"),
-            overrides=json.loads(tags[OVERRIDES_TAG]) if tags.get(OVERRIDES_TAG) else [],
-            iterations=int(max(s for s, _ in iters)) if iters else None,
-            metrics={k: s for k in keys if (s := summarize_series(hist.get(k, []))) is not None},
-            collapse_step=min((s.step for s in sigs), default=None),
-            signals=[f"{s.name}@{s.step}" for s in sorted(sigs, key=lambda s: (s.step, s.name))],
-            wall_s=(end - start) / 1000.0 if start and end else None,
-            tokens=float(sum(v for _, v in tokens)) if tokens else None,
-        ))
+        members.append(
+            MemberResult(
+                key=key,
+                group=tags.get(GROUP_TAG, key),
+                seed=int(seed_raw) if seed_raw not in (None, "", "None") else None,
+                status=status,
+                error=tags.get(ERROR_TAG) or (None if status != "FAILED" else "run failed (see its logs)"),
+                mlflow_run_id=run.info.run_id,
+                run_id=tags.get("ragen.run_id"),
+                overrides=json.loads(tags[OVERRIDES_TAG]) if tags.get(OVERRIDES_TAG) else [],
+                iterations=int(max(s for s, _ in iters)) if iters else None,
+                metrics={k: s for k in keys if (s := summarize_series(hist.get(k, []))) is not None},
+                collapse_step=min((s.step for s in sigs), default=None),
+                signals=[f"{s.name}@{s.step}" for s in sorted(sigs, key=lambda s: (s.step, s.name))],
+                wall_s=(end - start) / 1000.0 if start and end else None,
+                tokens=float(sum(v for _, v in tokens)) if tokens else None,
+            )
+        )
 
     def order(m: MemberResult) -> tuple[float, str]:
         idx = by_key[m.key].data.tags.get(INDEX_TAG)
@@ -606,19 +648,30 @@ def build_report(
         ok = [m for m in ms if m.status == "FINISHED"]
         collapsed = [m for m in ok if m.collapse_step is not None]
         g = GroupResult(
-            name=gname, members=[m.key for m in ms], seeds=[m.seed for m in ms], n_finished=len(ok),
+            name=gname,
+            members=[m.key for m in ms],
+            seeds=[m.seed for m in ms],
+            n_finished=len(ok),
             n_failed=sum(m.status == "FAILED" for m in ms),
             final={k: Stat.of(m.metrics[k].final for m in ok if k in m.metrics) for k in keys},
             peak={k: Stat.of(m.metrics[k].peak for m in ok if k in m.metrics) for k in keys},
             peak_step={k: Stat.of(m.metrics[k].peak_step for m in ok if k in m.metrics) for k in keys},
-            collapsed=len(collapsed), collapse_step=Stat.of(m.collapse_step for m in collapsed),
-            wall_s=Stat.of(m.wall_s for m in ok), tokens=Stat.of(m.tokens for m in ok),
+            collapsed=len(collapsed),
+            collapse_step=Stat.of(m.collapse_step for m in collapsed),
+            wall_s=Stat.of(m.wall_s for m in ok),
+            tokens=Stat.of(m.tokens for m in ok),
             curves=mean_curves([histories[m.key] for m in ok], [*keys, *CURVE_KEYS]),
         )
         groups.append(g)
-    return Report(sweep=ptags.get(SWEEP_TAG, parent.info.run_name or ""),
-                  description=ptags.get("ragen.sweep.description", ""), parent_run_id=parent_run_id,
-                  tracking_uri=tracker.tracking_uri, compare=keys, members=members, groups=groups)
+    return Report(
+        sweep=ptags.get(SWEEP_TAG, parent.info.run_name or ""),
+        description=ptags.get("ragen.sweep.description", ""),
+        parent_run_id=parent_run_id,
+        tracking_uri=tracker.tracking_uri,
+        compare=keys,
+        members=members,
+        groups=groups,
+    )
 
 
 def mean_curves(
@@ -632,8 +685,10 @@ def mean_curves(
             for s, v in h.get(key, []):
                 per_step.setdefault(int(s), []).append(float(v))
         if per_step:
-            out[key] = [(s, statistics.fmean(vs), statistics.stdev(vs) if len(vs) > 1 else 0.0, len(vs))
-                        for s, vs in sorted(per_step.items())]
+            out[key] = [
+                (s, statistics.fmean(vs), statistics.stdev(vs) if len(vs) > 1 else 0.0, len(vs))
+                for s, vs in sorted(per_step.items())
+            ]
     return out
 
 
@@ -656,8 +711,10 @@ def render_curves(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]
     def stem(key: str) -> str:
         return f"curve_{slug(metric_key(key).replace('/', '_'))}"
 
-    panels = [(k, f"Validation success: {_short(k)}" if k.endswith("success") else k, stem(k), False)
-              for k in report.compare]
+    panels = [
+        (k, f"Validation success: {_short(k)}" if k.endswith("success") else k, stem(k), False)
+        for k in report.compare
+    ]
     panels += [(k, _TITLES[k], stem(k), True) for k in CURVE_KEYS if k not in report.compare]
     groups = [(f"{g.name} (n={g.n_finished})", g.curves) for g in report.groups]
     return render_group_curves(groups, panels, out_dir, report.sweep)

@@ -121,9 +121,12 @@ class TrackingConfig(BaseModel):
     )
     experiment: str = Field(default="ragen-flow", min_length=1, description="MLflow experiment name")
     log_artifacts: bool = Field(
-        default=True, description="upload artifacts (files, transcripts, plots); False: metrics/params/tags only"
+        default=True,
+        description="upload artifacts (files, transcripts, plots); False: metrics/params/tags only",
     )
-    transcripts_per_iteration: int = Field(default=4, ge=0, description="sample transcripts kept per iteration")
+    transcripts_per_iteration: int = Field(
+        default=4, ge=0, description="sample transcripts kept per iteration"
+    )
     connect_timeout_s: float = Field(
         default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
     )
@@ -246,13 +249,23 @@ def _failure_reason(e: BaseException) -> tuple[bool, str]:
     """(is the store unreachable, a short one-line reason) for an exception of an MLflow call."""
     text = " ".join(f"{type(x).__name__}: {x}" for x in _chain(e))
     timeout = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
-    retries = os.environ.get("MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"])
+    retries = os.environ.get(
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    )
     if "Connection refused" in text or any(isinstance(x, ConnectionRefusedError) for x in _chain(e)):
         return True, f"connection refused, {retries} retries"
     if "timed out" in text or "Timeout" in text:
         return True, f"no answer within {timeout} s, {retries} retries"
-    if any(w in text for w in ("Connection reset", "Connection aborted", "RemoteDisconnected",
-                               "Max retries exceeded", "Failed to establish")):
+    if any(
+        w in text
+        for w in (
+            "Connection reset",
+            "Connection aborted",
+            "RemoteDisconnected",
+            "Max retries exceeded",
+            "Failed to establish",
+        )
+    ):
         return True, "connection lost"
     first = " ".join(f"{type(e).__name__}: {e}".split())
     return isinstance(e, ConnectionError | TimeoutError), _cut(first, 300)
@@ -307,7 +320,9 @@ class Tracker:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.run_id is not None:
-            self.end("FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED"))
+            self.end(
+                "FINISHED" if exc_type is None else ("KILLED" if exc_type is KeyboardInterrupt else "FAILED")
+            )
 
     def _store_error(self, what: str, e: Exception) -> TrackingError:
         return TrackingError(f"MLflow ({self.tracking_uri}) failed to {what}: {type(e).__name__}: {e}")
@@ -317,17 +332,24 @@ class Tracker:
         if self.offline is not None:
             return
         unreachable, reason = _failure_reason(e)
-        self.offline = (f"MLflow at {self.tracking_uri} {'unreachable' if unreachable else 'failing'} "
-                        f"since {what} ({reason})")
-        _log.warning("%s; training goes on without MLflow (the run directory keeps everything; resume the "
-                     "run once the store is back to log what is missing)", self.offline)
+        self.offline = (
+            f"MLflow at {self.tracking_uri} {'unreachable' if unreachable else 'failing'} "
+            f"since {what} ({reason})"
+        )
+        _log.warning(
+            "%s; training goes on without MLflow (the run directory keeps everything; resume the "
+            "run once the store is back to log what is missing)",
+            self.offline,
+        )
 
     def offline_message(self, run_id: str, run_dir: str | os.PathLike[str]) -> str | None:
         """What the user should do after a run whose tracking went offline (None: it did not)."""
         if self.offline is None:
             return None
-        return (f"{self.offline}; the run directory {Path(run_dir)} keeps every finished iteration; once the "
-                f"server is back, `ragen train --resume {run_id}` logs what is missing")
+        return (
+            f"{self.offline}; the run directory {Path(run_dir)} keeps every finished iteration; once the "
+            f"server is back, `ragen train --resume {run_id}` logs what is missing"
+        )
 
     def _artifact_location(self) -> str | None:
         if self._scheme in ("http", "https"):
@@ -532,7 +554,9 @@ class Tracker:
         run_id = self._require_run()
         return self.run_history(run_id, keys)
 
-    def run_history(self, run_id: str, keys: Iterable[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+    def run_history(
+        self, run_id: str, keys: Iterable[str] | None = None
+    ) -> dict[str, list[tuple[int, float]]]:
         """:meth:`history` of any run of this store (e.g. a sweep's members), by its run id."""
         try:
             if keys is None:
@@ -596,13 +620,19 @@ class Tracker:
             f = Path(tmp) / f"iter_{step:04d}.json"
             f.write_text(json.dumps({"step": step, "rows": rows}, indent=1, default=str, ensure_ascii=False))
             self.log_artifact(f, "transcripts")
-        if self.offline is not None or not append_table or (self._table_step is not None and step <= self._table_step):
+        if (
+            self.offline is not None
+            or not append_table
+            or (self._table_step is not None and step <= self._table_step)
+        ):
             return
         cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
         names = list(dict.fromkeys(k for r in rows for k in r))
         for k in names:
             cols[str(k)] = [
-                v if isinstance(v, str | int | float | bool) or v is None else json.dumps(v, default=str, ensure_ascii=False)
+                v
+                if isinstance(v, str | int | float | bool) or v is None
+                else json.dumps(v, default=str, ensure_ascii=False)
                 for v in (r.get(k) for r in rows)
             ]
         try:
@@ -655,7 +685,9 @@ class BackgroundLog:
     def __init__(self, enabled: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-tracking") if enabled else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-tracking") if enabled else None
+        )
         self._error: BaseException | None = None
 
     def _run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -74,8 +74,10 @@ def _repair(path: Path) -> str:
     run from before their iteration (the rollout stage replays a damaged output, deterministically)."""
     folder = path.parent.name
     if path.name == "rollouts.parquet" and folder.startswith("iter_") and folder[5:].isdigit():
-        return (f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
-                f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs")
+        return (
+            f"Restore it from a copy, or delete {path.parent / 'DONE'} and resume the run "
+            f"(`ragen train --resume`): iteration {int(folder[5:])} is recomputed from its intact inputs"
+        )
     return "Restore it from a copy, or rerun the stage that wrote it"
 
 
@@ -179,7 +181,9 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
         ) from exc
     version = (table.schema.metadata or {}).get(SCHEMA_VERSION_KEY)
     if version is None:
-        raise TrajectoryFileError(f"{path}: no {SCHEMA_VERSION_KEY.decode()} metadata; not a ragen-flow trajectory file")
+        raise TrajectoryFileError(
+            f"{path}: no {SCHEMA_VERSION_KEY.decode()} metadata; not a ragen-flow trajectory file"
+        )
     if version.decode() != SCHEMA_VERSION:
         raise TrajectoryFileError(
             f"{path}: trajectory schema v{version.decode()}, this ragen-flow reads v{SCHEMA_VERSION}"
@@ -256,8 +260,9 @@ def _turn_scores(cols: Mapping[str, Sequence[Any]]) -> torch.Tensor:
     """Per trained turn: its env reward plus its format penalty (turns outside the context window
     were not trained and are left out)."""
     rows = []
-    for rewards, info in zip(cols["turn_rewards"], cols.get("info") or [None] * len(cols["turn_rewards"]),
-                             strict=True):
+    for rewards, info in zip(
+        cols["turn_rewards"], cols.get("info") or [None] * len(cols["turn_rewards"]), strict=True
+    ):
         meta = json.loads(info) if isinstance(info, str) and info else (info or {})
         penalties = meta.get("turn_penalties") or [0.0] * len(rewards)
         first = int(meta.get("first_trained_turn", 0))

@@ -41,8 +41,13 @@ def _ray_actor_lost(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except Exception as exc:
-        return type(exc).__name__ in {"RayActorError", "ActorDiedError", "WorkerCrashedError",
-                                      "ActorUnavailableError", "NodeDiedError"}
+        return type(exc).__name__ in {
+            "RayActorError",
+            "ActorDiedError",
+            "WorkerCrashedError",
+            "ActorUnavailableError",
+            "NodeDiedError",
+        }
     return False
 
 

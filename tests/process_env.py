@@ -14,8 +14,14 @@ import os
 
 BASELINE: dict[str, str] = dict(os.environ)
 # What a user's shell would not carry into a run of their own: a crash hook, another server, a cluster.
-NOT_INHERITED = ("RAGEN_CRASH_AT", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS", "RAY_AUTH_MODE",
-                 "RAY_AUTH_TOKEN_PATH")
+NOT_INHERITED = (
+    "RAGEN_CRASH_AT",
+    "MLFLOW_TRACKING_URI",
+    "PREFECT_API_URL",
+    "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN_PATH",
+)
 
 
 def child_env(**overrides: str) -> dict[str, str]:

@@ -54,16 +54,31 @@ POOL = "ragen-process"
 DEPLOYMENT = "ragen-train/ragen-train"
 RUN_NAME = "e2e"
 QUICK = [
-    "trainer.iterations=2", "trainer.eval_every=1", "sft.steps=20", "sft.episodes_per_tag=32",
-    "train.n_groups=[4]", "train.group_size=4", "val.n_groups=[16]",
-    "learner.optim.mini_batch_size=4", "rollout.max_new_tokens=24", "trainer.backend=local",
+    "trainer.iterations=2",
+    "trainer.eval_every=1",
+    "sft.steps=20",
+    "sft.episodes_per_tag=32",
+    "train.n_groups=[4]",
+    "train.group_size=4",
+    "val.n_groups=[16]",
+    "learner.optim.mini_batch_size=4",
+    "rollout.max_new_tokens=24",
+    "trainer.backend=local",
 ]
 SERVER_START_TIMEOUT_S = 150  # healthy after 7-25 s on 2 idle cores; CI shares them
 FLOW_RUN_TIMEOUT_S = 480  # about 75 s alone on 2 cores
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--hide-scrollbars", "--window-size=1400,1600",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--window-size=1400,1600",
 ]
 # The caller's settings for these tools (another test's PREFECT_HOME, a tracking URI, a Ray cluster
 # address...) would point the servers, the clients or the flow run elsewhere: none is inherited.
@@ -119,8 +134,14 @@ def kill_group(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
 def group(cmd: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.Popen[Any]]:
     """Start ``cmd`` as its own process group, output to ``log``; always torn down on exit."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, **kwargs)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **kwargs,
+        )
     try:
         yield proc
     finally:
@@ -129,8 +150,16 @@ def group(cmd: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.Popen
 
 def run_cli(cmd: list[str], env: dict[str, str], timeout: float = 180, cwd: Path = ROOT) -> str:
     """Run a short command to completion (its own process group, killed on timeout); its output."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -175,7 +204,9 @@ def find_chromium() -> str:
             return candidate
     hint = "install it: apt-get update && apt-get install -y chromium (Debian's package; .ci/run does this)"
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.fail(f"headless Chromium is needed for the MLflow UI check and /usr/bin/chromium is missing; {hint}")
+        pytest.fail(
+            f"headless Chromium is needed for the MLflow UI check and /usr/bin/chromium is missing; {hint}"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -189,10 +220,22 @@ def find_chromium() -> str:
 def chromium(binary: str, profile: Path, url: str, *args: str, budget_ms: int, timeout: float = 120) -> str:
     """One headless Chromium call on a new empty profile; stdout (e.g. the DOM with --dump-dom)."""
     profile.mkdir(parents=True)
-    cmd = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
-           *args, url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    cmd = [
+        binary,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        f"--virtual-time-budget={budget_ms}",
+        *args,
+        url,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -231,44 +274,65 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
     state, runs = tmp_path / "state", tmp_path / "runs"
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_DROP_PREFIXES)}
-    env.update({
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": prefect_api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect-results"),
-        "PREFECT_CLI_COLORS": "false",
-        "PREFECT_CLI_WRAP_LINES": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "COLUMNS": "200",
-        "NO_COLOR": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_AUTH_MODE": "disabled",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "PREFECT_HOME": str(tmp_path / "prefect-home"),
+            "PREFECT_API_URL": prefect_api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect-results"),
+            "PREFECT_CLI_COLORS": "false",
+            "PREFECT_CLI_WRAP_LINES": "false",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "COLUMNS": "200",
+            "NO_COLOR": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "disabled",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     prefect, mlflow = tool("prefect"), tool("mlflow")
-    mlflow_cmd = [mlflow, "server", "--host", HOST, "--port", str(mlflow_port), "--workers", "1",
-                  "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                  "--artifacts-destination", str(tmp_path / "mlartifacts")]
+    mlflow_cmd = [
+        mlflow,
+        "server",
+        "--host",
+        HOST,
+        "--port",
+        str(mlflow_port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(tmp_path / "mlartifacts"),
+    ]
     prefect_cmd = [prefect, "server", "start", "--host", HOST, "--port", str(prefect_port)]
     logs = {name: tmp_path / f"{name}.log" for name in ("mlflow", "prefect", "worker")}
 
-    with group(mlflow_cmd, logs["mlflow"], env=env, cwd=tmp_path) as mlflow_proc, \
-            group(prefect_cmd, logs["prefect"], env=env, cwd=tmp_path) as prefect_proc:
+    with (
+        group(mlflow_cmd, logs["mlflow"], env=env, cwd=tmp_path) as mlflow_proc,
+        group(prefect_cmd, logs["prefect"], env=env, cwd=tmp_path) as prefect_proc,
+    ):
         try:
             # ---- 1. servers (started together; the slower one sets the pace)
-            timings["mlflow healthy"] = wait_healthy(f"{mlflow_url}/health", mlflow_proc, logs["mlflow"],
-                                                     "mlflow server")
-            timings["prefect healthy"] = wait_healthy(f"{prefect_api}/health", prefect_proc, logs["prefect"],
-                                                      "prefect server")
+            timings["mlflow healthy"] = wait_healthy(
+                f"{mlflow_url}/health", mlflow_proc, logs["mlflow"], "mlflow server"
+            )
+            timings["prefect healthy"] = wait_healthy(
+                f"{prefect_api}/health", prefect_proc, logs["prefect"], "prefect server"
+            )
 
             # ---- 2. work pool, deployments from prefect.yaml, one flow run of ragen-train
             t0 = time.monotonic()
             run_cli([prefect, "work-pool", "create", POOL, "--type", "process"], env)
             out = run_cli([prefect, "--no-prompt", "deploy", "--all"], env)
-            for name in ("ragen-train/ragen-train", "ragen-evaluate/ragen-evaluate", "ragen-rerun/ragen-rerun"):
+            for name in (
+                "ragen-train/ragen-train",
+                "ragen-evaluate/ragen-evaluate",
+                "ragen-rerun/ragen-rerun",
+            ):
                 assert f"Deployment '{name}' successfully created" in out, out[-4000:]
             deployment = http(f"{prefect_api}/deployments/name/{DEPLOYMENT}")
             assert deployment["work_pool_name"] == POOL
@@ -280,10 +344,14 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             assert [(s["schedule"].get("cron"), s["active"]) for s in schedules] == [("0 2 * * *", False)]
             timings["deploy"] = time.monotonic() - t0
 
-            request = {"config": "configs/bandit-tiny.yaml", "run_name": RUN_NAME,
-                       "overrides": [*QUICK, f"trainer.run_root={runs}"]}
-            out = run_cli([prefect, "deployment", "run", DEPLOYMENT, "--params",
-                           json.dumps({"request": request})], env)
+            request = {
+                "config": "configs/bandit-tiny.yaml",
+                "run_name": RUN_NAME,
+                "overrides": [*QUICK, f"trainer.run_root={runs}"],
+            }
+            out = run_cli(
+                [prefect, "deployment", "run", DEPLOYMENT, "--params", json.dumps({"request": request})], env
+            )
             found = re.search(r"UUID:\s*([0-9a-f-]{36})", out)
             assert found, f"no flow run id in the output of `prefect deployment run`:\n{out}"
             flow_run_id = found.group(1)
@@ -291,26 +359,34 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             # ---- 3. a process worker, started outside the repo, runs it to completion
             worker_env = {**env, "MLFLOW_TRACKING_URI": mlflow_url, "RAGEN_STATE_DIR": str(state)}
             t0 = time.monotonic()
-            with group([prefect, "worker", "start", "--pool", POOL, "--run-once"], logs["worker"],
-                       env=worker_env, cwd=tmp_path) as worker:
+            with group(
+                [prefect, "worker", "start", "--pool", POOL, "--run-once"],
+                logs["worker"],
+                env=worker_env,
+                cwd=tmp_path,
+            ) as worker:
                 try:
                     worker.wait(timeout=FLOW_RUN_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
-                    pytest.fail(f"the worker did not finish the flow run in {FLOW_RUN_TIMEOUT_S} s\n"
-                                f"{tail(logs['worker'])}")
+                    pytest.fail(
+                        f"the worker did not finish the flow run in {FLOW_RUN_TIMEOUT_S} s\n"
+                        f"{tail(logs['worker'])}"
+                    )
             timings["flow run"] = time.monotonic() - t0
             flow_run = http(f"{prefect_api}/flow_runs/{flow_run_id}")
             assert flow_run["state_type"] == "COMPLETED", (
                 f"flow run {flow_run_id}: {flow_run['state_type']} {flow_run['state'].get('message')}\n"
-                f"{tail(logs['worker'], 8000)}")
+                f"{tail(logs['worker'], 8000)}"
+            )
             assert worker.returncode == 0, tail(logs["worker"])
             assert list(runs.iterdir()), f"no run directory in {runs}"
 
             # ---- 4. MLflow's REST API: the run, its metrics and artifacts
             exp = http(f"{mlflow_url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=ragen-flow")
             exp_id = exp["experiment"]["experiment_id"]
-            found_runs = http(f"{mlflow_url}/api/2.0/mlflow/runs/search",
-                              {"experiment_ids": [exp_id], "max_results": 10}).get("runs", [])
+            found_runs = http(
+                f"{mlflow_url}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp_id], "max_results": 10}
+            ).get("runs", [])
             assert len(found_runs) == 1, found_runs
             run = found_runs[0]
             run_id, run_name = run["info"]["run_id"], run["info"]["run_name"]
@@ -345,13 +421,16 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             page = f"{mlflow_url}/#/experiments/{exp_id}/runs/{run_id}"
             dom = ""
             for attempt, budget in enumerate((15_000, 30_000, 60_000)):  # slower machines: more time
-                dom = chromium(browser, tmp_path / f"chromium-dom-{attempt}", page, "--dump-dom",
-                               budget_ms=budget)
+                dom = chromium(
+                    browser, tmp_path / f"chromium-dom-{attempt}", page, "--dump-dom", budget_ms=budget
+                )
                 if run_name in dom and "val-env/success" in dom:
                     break
             (tmp_path / "run-page.html").write_text(dom)
             assert run_name in dom, f"the MLflow run page did not render the run name; DOM in {tmp_path}"
-            assert "val-env/success" in dom, f"the MLflow run page did not render the metrics; DOM in {tmp_path}"
+            assert "val-env/success" in dom, (
+                f"the MLflow run page did not render the metrics; DOM in {tmp_path}"
+            )
             shot = tmp_path / "mlflow-run.png"
             chromium(browser, tmp_path / "chromium-shot", page, f"--screenshot={shot}", budget_ms=15_000)
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000

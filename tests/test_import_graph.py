@@ -71,7 +71,9 @@ def test_no_import_points_up_a_layer() -> None:
             resolved = _resolve(target, modules)
             if resolved and _layer(resolved) > _layer(name):
                 upward.append(f"{name} imports {resolved}")
-    assert not upward, "imports pointing up a layer (envs < ragen_core < tasks < flows):\n" + "\n".join(upward)
+    assert not upward, "imports pointing up a layer (envs < ragen_core < tasks < flows):\n" + "\n".join(
+        upward
+    )
 
 
 def test_no_import_cycle() -> None:
@@ -90,7 +92,7 @@ def test_no_import_cycle() -> None:
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(dep):], dep]))
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
             elif dep not in state:
                 visit(dep)
         stack.pop()

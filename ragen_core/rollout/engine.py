@@ -279,7 +279,10 @@ class HFEngine(RolloutEngine):
                 end = start + chunk
                 out.extend(
                     self._generate_batch(
-                        prompts[start:end], params, seed_list[start:end], hits[start:end],
+                        prompts[start:end],
+                        params,
+                        seed_list[start:end],
+                        hits[start:end],
                         kept if keeping else None,
                     )
                 )
@@ -379,7 +382,7 @@ class HFEngine(RolloutEngine):
             next_pos = next_pos + 1
         return results
 
-    def _prefill(
+    def _prefill(  # noqa: C901 - stock-cache, continuation and chunked prefill share one buffer layout
         self,
         prompts: Sequence[Sequence[int]],
         width: int,
@@ -536,7 +539,12 @@ class HFEngine(RolloutEngine):
         return self._last_logits(ids, mask, pos, cache, device), cache
 
     def _last_logits(
-        self, ids: torch.Tensor, mask: torch.Tensor | None, pos: torch.Tensor, cache: Any, device: torch.device
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        pos: torch.Tensor,
+        cache: Any,
+        device: torch.device,
     ) -> torch.Tensor:
         """One prefill pass of ``ids`` into ``cache``; the logits of each row's last position."""
         return self.model(
@@ -614,7 +622,9 @@ def _buffer_layer(keys: torch.Tensor, values: torch.Tensor, batch: int, capacity
     """A zeroed KV-buffer cache layer for ``batch`` rows of ``capacity`` positions, with the heads
     (dim -3), head size (dim -1), dtype and device of the sample ``keys`` / ``values``."""
     shape = (batch, keys.shape[-3], capacity)
-    return _buffer_layer_class()(keys.new_zeros((*shape, keys.shape[-1])), values.new_zeros((*shape, values.shape[-1])))
+    return _buffer_layer_class()(
+        keys.new_zeros((*shape, keys.shape[-1])), values.new_zeros((*shape, values.shape[-1]))
+    )
 
 
 def _buffer_layer_class() -> type:

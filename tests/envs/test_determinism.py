@@ -14,8 +14,16 @@ import pytest
 import envs
 
 ROOT = Path(__file__).resolve().parents[2]
-TAGS = ["SimpleSokoban", "LargerSokoban", "SokobanNewVocab", "FrozenLake", "Bandit", "BanditTest",
-        "Countdown", "MathQA"]
+TAGS = [
+    "SimpleSokoban",
+    "LargerSokoban",
+    "SokobanNewVocab",
+    "FrozenLake",
+    "Bandit",
+    "BanditTest",
+    "Countdown",
+    "MathQA",
+]
 N_SEEDS = 200
 
 
@@ -35,8 +43,11 @@ def fingerprint(tag: str, seeds: list[int]) -> str:
         h.update(env.reset(seed).encode())
         for action in scripted_actions(env, seed, budget):
             r = env.step(action)
-            h.update(json.dumps([action, r.observation, r.reward, r.done, sorted(r.info.items())],
-                                default=str).encode())
+            h.update(
+                json.dumps(
+                    [action, r.observation, r.reward, r.done, sorted(r.info.items())], default=str
+                ).encode()
+            )
             if r.done:
                 break
     return h.hexdigest()
@@ -50,8 +61,9 @@ def test_fingerprints_match_in_a_fresh_process() -> None:
         f"print(json.dumps({{t: fingerprint(t, list(range({N_SEEDS}))) for t in TAGS}}))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
     there = json.loads(out.stdout.strip().splitlines()[-1])
     assert there == here
 

@@ -82,8 +82,18 @@ def test_every_map_has_a_path_and_distinct_start_and_goal() -> None:
     assert len({tuple(generate_map(4, 0.8, s)) for s in range(50)}) > 40
 
 
-@pytest.mark.parametrize(("size", "p", "seeds"), [(4, 0.8, 3000), (2, 0.8, 300), (3, 0.5, 500), (5, 0.95, 300),
-                                                  (6, 0.8, 300), (7, 0.3, 200), (8, 1.0, 100)])
+@pytest.mark.parametrize(
+    ("size", "p", "seeds"),
+    [
+        (4, 0.8, 3000),
+        (2, 0.8, 300),
+        (3, 0.5, 500),
+        (5, 0.95, 300),
+        (6, 0.8, 300),
+        (7, 0.3, 200),
+        (8, 1.0, 100),
+    ],
+)
 def test_maps_equal_ragens_numpy_calls(size: int, p: float, seeds: int) -> None:
     """The generator redoes numpy's ``choice``/``integers`` arithmetic on the raw stream: same maps."""
     clear_caches()
@@ -103,6 +113,7 @@ def test_has_path_equals_bfs_on_random_boards() -> None:
 
 def test_caches_and_shared_maps_change_nothing() -> None:
     """Maps and map data are cached and shared between envs; episodes must not notice."""
+
     def script(seed: int, k: int) -> list[str]:
         return [ACTIONS[(seed + k * i + i * i) % 4] for i in range(45)]  # 45: past a raw-output block
 
@@ -168,8 +179,14 @@ def test_same_seed_same_episode_in_fresh_instances() -> None:
 
 def test_render_symbols_and_infos() -> None:
     env = FrozenLakeEnv(is_slippery=False, desc=["SFG", "HFF", "FFF"])
-    assert env.grid_vocab == {"P": "player", "_": "empty", "O": "hole", "G": "goal",
-                              "X": "player in hole", "√": "player on goal"}
+    assert env.grid_vocab == {
+        "P": "player",
+        "_": "empty",
+        "O": "hole",
+        "G": "goal",
+        "X": "player in hole",
+        "√": "player on goal",
+    }
     assert env.reset(0) == "P_G\nO__\n___"
     bump = env.step("Up")
     assert bump.observation == "P_G\nO__\n___" and not bump.done

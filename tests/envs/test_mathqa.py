@@ -145,8 +145,14 @@ def test_seed_selects_question_deterministically_across_processes() -> None:
     assert here == [MathQAEnv().reset(seed) for seed in range(30)]
     assert len(set(here)) >= 25
     code = "import json; from envs.mathqa import MathQAEnv; e = MathQAEnv(); print(json.dumps([e.reset(s) for s in range(30)]))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": "99"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "99"},
+    )
     assert json.loads(out.stdout) == here
 
 

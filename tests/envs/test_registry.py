@@ -114,8 +114,19 @@ def test_third_party_plugin_through_entry_points(tmp_path: Path) -> None:
     )
     site = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(site), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(site),
+            str(src),
+        ],
         check=True,
         capture_output=True,
     )

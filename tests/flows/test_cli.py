@@ -31,26 +31,55 @@ def invoke(*args: str):
     return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
-def make(env_tag: str, env_id: int, success: bool, score: float, turns: int, response: int,
-         penalties: list[float], end: str = "done") -> Trajectory:
+def make(
+    env_tag: str,
+    env_id: int,
+    success: bool,
+    score: float,
+    turns: int,
+    response: int,
+    penalties: list[float],
+    end: str = "done",
+) -> Trajectory:
     """A hand-made trajectory: ``response`` sampled tokens, one assistant message per turn."""
     n = response + 5
-    messages = [{"role": "system", "content": "You're a helpful assistant. "},
-                {"role": "user", "content": f"Turn 1:\nState:\n[#] env {env_id}"}]
+    messages = [
+        {"role": "system", "content": "You're a helpful assistant. "},
+        {"role": "user", "content": f"Turn 1:\nState:\n[#] env {env_id}"},
+    ]
     for k in range(turns):
         messages.append({"role": "assistant", "content": f"<think>thought {k}</think><answer>Up</answer>"})
         if k + 1 < turns:
             messages.append({"role": "user", "content": f"Reward:\n0\nTurn {k + 2}:"})
     penalty = sum(penalties)
     return Trajectory(
-        run_id="r", iteration=0, split="train", env_tag=env_tag, group_id=env_id // 2, env_id=env_id,
-        seed=100 + env_id, turn_count=turns, success=success, truncated=end != "done",
-        reward=score - penalty, format_penalty=penalty, score=score,
-        input_ids=list(range(n)), loss_mask=[0] * 5 + [1] * response, turn_index=[0] * n,
-        rollout_logprobs=[0.0] * n, messages=messages, actions=[["Up"] for _ in range(turns)],
+        run_id="r",
+        iteration=0,
+        split="train",
+        env_tag=env_tag,
+        group_id=env_id // 2,
+        env_id=env_id,
+        seed=100 + env_id,
+        turn_count=turns,
+        success=success,
+        truncated=end != "done",
+        reward=score - penalty,
+        format_penalty=penalty,
+        score=score,
+        input_ids=list(range(n)),
+        loss_mask=[0] * 5 + [1] * response,
+        turn_index=[0] * n,
+        rollout_logprobs=[0.0] * n,
+        messages=messages,
+        actions=[["Up"] for _ in range(turns)],
         turn_rewards=[(score - penalty) / turns] * turns,
-        info={"end_reason": end, "turn_penalties": penalties, "first_trained_turn": 0,
-              "response_truncated": False, "turns_cut_by_max_new_tokens": 0},
+        info={
+            "end_reason": end,
+            "turn_penalties": penalties,
+            "first_trained_turn": 0,
+            "response_truncated": False,
+            "turns_cut_by_max_new_tokens": 0,
+        },
     )
 
 
@@ -76,12 +105,23 @@ def real(tmp_path_factory) -> Path:
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import run_rollouts
 
-    model, tok = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                               intermediate_size=64, corpus_seeds=2, seed=1))
-    groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2),
-                       ProtocolConfig(max_turn=2))
-    trajs = run_rollouts(groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=8), seed=0,
-                         run_id="cli")
+    model, tok = build_tiny_policy(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            corpus_seeds=2,
+            seed=1,
+        )
+    )
+    groups = EnvGroups(
+        EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=2)
+    )
+    trajs = run_rollouts(
+        groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=8), seed=0, run_id="cli"
+    )
     return write_trajectories(trajs, tmp_path_factory.mktemp("cli") / "real.parquet")
 
 

@@ -27,11 +27,17 @@ def test_a_model_folder_plays_each_tag_with_its_catalogue_budget() -> None:
 
 
 def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(tmp_path: Path) -> None:
-    plan = budgets(EvaluateRequest(policy="m", tags=["Bandit", "SimpleSokoban"], max_new_tokens=24), None, None)
+    plan = budgets(
+        EvaluateRequest(policy="m", tags=["Bandit", "SimpleSokoban"], max_new_tokens=24), None, None
+    )
     assert sorted(b.max_new_tokens for b in plan) == [24, 24]
     run_protocol = ProtocolConfig(max_turn=3, enable_think=False)
     (only,) = budgets(EvaluateRequest(policy="r", tags=["Bandit", "SimpleSokoban"]), run_protocol, 48)
-    assert only.protocol == run_protocol and only.max_new_tokens == 48 and only.tags == ["Bandit", "SimpleSokoban"]
+    assert (
+        only.protocol == run_protocol
+        and only.max_new_tokens == 48
+        and only.tags == ["Bandit", "SimpleSokoban"]
+    )
     cfg = yaml.safe_load((ROOT / "configs" / "bandit-tiny.yaml").read_text())
     cfg["agent"]["max_turn"] = 2
     path = tmp_path / "c.yaml"
@@ -40,18 +46,38 @@ def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(t
     assert only.protocol.max_turn == 2 and only.max_new_tokens == cfg["rollout"]["max_new_tokens"]
 
 
-def test_evaluate_plays_tags_with_different_budgets_on_one_model(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_evaluate_plays_tags_with_different_budgets_on_one_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
 
-    model, tok = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                               intermediate_size=64, corpus_seeds=2, seed=1))
+    model, tok = build_tiny_policy(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            corpus_seeds=2,
+            seed=1,
+        )
+    )
     folder = save_policy(model, tok, tmp_path / "model")
-    request = EvaluateRequest(policy=str(folder), tags=["Bandit", "SimpleSokoban"], n_per_tag=3, max_new_tokens=6,
-                              out_dir=str(tmp_path / "eval"), log_to_mlflow=False)
+    request = EvaluateRequest(
+        policy=str(folder),
+        tags=["Bandit", "SimpleSokoban"],
+        n_per_tag=3,
+        max_new_tokens=6,
+        out_dir=str(tmp_path / "eval"),
+        log_to_mlflow=False,
+    )
     with caplog.at_level(logging.INFO, logger="ragen.flows"):
         result = evaluate.fn(request)  # the flow's body: no Prefect server for a unit test
     trajectories = read_trajectories(Path(result["out_dir"]) / "eval.parquet")
-    turns = {tag: max(t.turn_count for t in trajectories if t.env_tag == tag) for tag in ("Bandit", "SimpleSokoban")}
+    turns = {
+        tag: max(t.turn_count for t in trajectories if t.env_tag == tag)
+        for tag in ("Bandit", "SimpleSokoban")
+    }
     assert len(trajectories) == 6
     assert turns["Bandit"] == 1  # the untrained model answers badly: more turns would be played if allowed
     assert turns["SimpleSokoban"] > 1

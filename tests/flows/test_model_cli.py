@@ -28,7 +28,9 @@ runner = CliRunner()
 
 
 def invoke(state, *args: str):
-    return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", "RAGEN_STATE_DIR": str(state)})
+    return runner.invoke(
+        app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", "RAGEN_STATE_DIR": str(state)}
+    )
 
 
 def tiny_gguf(path: Path, arch: str = "llama") -> Path:
@@ -43,11 +45,17 @@ def test_model_help_lists_import():
     assert result.exit_code == 0 and "import" in result.output
 
 
-@pytest.mark.parametrize("make, expected", [
-    (lambda tmp: str(tmp / "missing.gguf"), "does not exist"),
-    (lambda tmp: str(tiny_gguf(tmp / "m.gguf", "madeupnet")), "architecture 'madeupnet' is not one transformers"),
-    (lambda tmp: "ragen_no_such_model_pkg", "run `make models`"),
-])
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda tmp: str(tmp / "missing.gguf"), "does not exist"),
+        (
+            lambda tmp: str(tiny_gguf(tmp / "m.gguf", "madeupnet")),
+            "architecture 'madeupnet' is not one transformers",
+        ),
+        (lambda tmp: "ragen_no_such_model_pkg", "run `make models`"),
+    ],
+)
 def test_bad_source_is_one_line_and_exit_1(tmp_path, make, expected):
     result = invoke(tmp_path / "state", "model", "import", make(tmp_path))
     assert result.exit_code == 1, result.output
@@ -59,8 +67,13 @@ def test_bad_source_is_one_line_and_exit_1(tmp_path, make, expected):
 def test_import_then_again_says_where_it_is(tmp_path, monkeypatch):
     from ragen_core.models import ModelConfig, build_tiny_policy, torch_dtype
 
-    tiny = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                         intermediate_size=64, vocab_size=300), corpus=["State:\n#P_O", "0 1 2"])
+    tiny = build_tiny_policy(
+        ModelConfig(
+            hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=300
+        ),
+        corpus=["State:\n#P_O", "0 1 2"],
+    )
+
     def fake_load(gguf, dtype, template):  # what the conversion returns: the model in the asked dtype
         return copy.deepcopy(tiny[0]).to(torch_dtype(dtype)), tiny[1]
 

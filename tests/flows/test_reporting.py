@@ -10,15 +10,31 @@ from flows.reporting import IterationClock, duration, iteration_line
 
 
 def test_duration() -> None:
-    assert [duration(s) for s in (0, 9.4, 59.6, 75, 3599, 3725)] == ["0s", "9s", "1m00s", "1m15s", "59m59s", "1h02m"]
+    assert [duration(s) for s in (0, 9.4, 59.6, 75, 3599, 3725)] == [
+        "0s",
+        "9s",
+        "1m00s",
+        "1m15s",
+        "59m59s",
+        "1h02m",
+    ]
 
 
 def test_iteration_line_shows_success_score_validity_validation_time_and_eta() -> None:
-    metrics = {"train/success": 0.625, "train/Bandit/score": 0.5, "train/Other/score": 0.2,
-               "train/Bandit/action_is_valid": 1.0, "train/Other/action_is_valid": 0.9, "val-env/success": 0.875,
-               "val-env/Bandit/score": 9.0}  # validation scores are not training scores
+    metrics = {
+        "train/success": 0.625,
+        "train/Bandit/score": 0.5,
+        "train/Other/score": 0.2,
+        "train/Bandit/action_is_valid": 1.0,
+        "train/Other/action_is_valid": 0.9,
+        "val-env/success": 0.875,
+        "val-env/Bandit/score": 9.0,
+    }  # validation scores are not training scores
     line = iteration_line(3, 10, metrics, 41.2, 287.0)
-    assert line == "iteration 3/10 | train success 0.62 score +0.35 valid 0.95 | val success 0.88 | 41s | ETA 4m47s"
+    assert (
+        line
+        == "iteration 3/10 | train success 0.62 score +0.35 valid 0.95 | val success 0.88 | 41s | ETA 4m47s"
+    )
     # the last iteration has no ETA; an iteration without validation has no val part
     assert iteration_line(10, 10, {"train/success": 1.0}, 5, 0) == "iteration 10/10 | train success 1.00 | 5s"
 
@@ -32,20 +48,34 @@ def test_eta_is_the_mean_iteration_time_times_the_iterations_left(monkeypatch: p
     assert clock.eta(2) == 4 * 15.0
 
 
-def test_long_rollouts_report_progress_and_short_ones_stay_quiet(monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_long_rollouts_report_progress_and_short_ones_stay_quiet(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
     from ragen_core.models import ModelConfig, build_tiny_policy
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout import runner
     from ragen_core.rollout.engine import HFEngine, SamplingParams
 
-    model, tok = build_tiny_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                               intermediate_size=64, corpus_seeds=2, seed=1))
+    model, tok = build_tiny_policy(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            corpus_seeds=2,
+            seed=1,
+        )
+    )
 
     def play() -> None:
-        groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=3))
-        runner.run_rollouts(groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=4), seed=0, iteration=7)
+        groups = EnvGroups(
+            EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=3)
+        )
+        runner.run_rollouts(
+            groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=4), seed=0, iteration=7
+        )
 
     with caplog.at_level(logging.INFO, logger="ragen.progress"):
         play()

@@ -71,11 +71,16 @@ def write_sweep(path: Path, **fields) -> Path:
 # ------------------------------------------------------------------------------------ expansion
 def test_expand_is_members_x_grid_x_seeds_with_stable_keys() -> None:
     sweep = SweepConfig(
-        name="abl", base=str(BANDIT), overrides=["trainer.iterations=2"],
-        members=[{"name": "ppo", "overrides": ["learner.algorithm.adv_estimator=gae"]},
-                 {"name": "grpo", "overrides": ["learner.algorithm.adv_estimator=grpo"]}],
+        name="abl",
+        base=str(BANDIT),
+        overrides=["trainer.iterations=2"],
+        members=[
+            {"name": "ppo", "overrides": ["learner.algorithm.adv_estimator=gae"]},
+            {"name": "grpo", "overrides": ["learner.algorithm.adv_estimator=grpo"]},
+        ],
         grid={"rollout.filter_ratio": [0.25, 0.5], "agent.enable_think": [True, False]},
-        seeds=[0, 1, 2], seed_keys=["trainer.seed", "learner.seed"],
+        seeds=[0, 1, 2],
+        seed_keys=["trainer.seed", "learner.seed"],
     )
     members = expand(sweep)
     assert len(members) == 2 * 4 * 3
@@ -85,15 +90,25 @@ def test_expand_is_members_x_grid_x_seeds_with_stable_keys() -> None:
     assert first.key == "ppo,filter_ratio=0.25,enable_think=true-s0"
     assert first.group == "ppo,filter_ratio=0.25,enable_think=true"
     # order: sweep overrides, member, grid, seed keys (later ones win)
-    assert first.overrides == ("trainer.iterations=2", "learner.algorithm.adv_estimator=gae",
-                               "rollout.filter_ratio=0.25", "agent.enable_think=true",
-                               "trainer.seed=0", "learner.seed=0")
+    assert first.overrides == (
+        "trainer.iterations=2",
+        "learner.algorithm.adv_estimator=gae",
+        "rollout.filter_ratio=0.25",
+        "agent.enable_think=true",
+        "trainer.seed=0",
+        "learner.seed=0",
+    )
     assert [m.seed for m in members[:3]] == [0, 1, 2] and len({m.group for m in members[:3]}) == 1
     assert members[-1].key == "grpo,filter_ratio=0.5,enable_think=false-s2"
     assert [m.index for m in members] == list(range(len(members)))
     # grid only, members only, neither
-    assert [m.key for m in expand(SweepConfig(name="g", base="x", grid={"a.b": [1, 2]}))] == ["b=1-s0", "b=2-s0"]
-    assert [m.key for m in expand(SweepConfig(name="m", base="x", members=[{"name": "v"}], seeds=[3]))] == ["v-s3"]
+    assert [m.key for m in expand(SweepConfig(name="g", base="x", grid={"a.b": [1, 2]}))] == [
+        "b=1-s0",
+        "b=2-s0",
+    ]
+    assert [m.key for m in expand(SweepConfig(name="m", base="x", members=[{"name": "v"}], seeds=[3]))] == [
+        "v-s3"
+    ]
     assert [m.key for m in expand(SweepConfig(name="n", base="x"))] == ["base-s0"]
     # two grid keys with the same last part keep their full names
     keys = [m.key for m in expand(SweepConfig(name="d", base="x", grid={"train.seed": [1], "val.seed": [2]}))]
@@ -117,10 +132,16 @@ def test_sweep_file_errors(tmp_path: Path) -> None:
 
 
 def test_validation_reports_the_impossible_member_and_keeps_the_others() -> None:
-    sweep = SweepConfig(name="v", base=str(BANDIT),
-                        members=[{"name": "ok"}, {"name": "bad", "overrides": [IMPOSSIBLE]},
-                                 {"name": "typo", "overrides": ["learner.optim.mini_bach_size=4"]}],
-                        seeds=[0, 1])
+    sweep = SweepConfig(
+        name="v",
+        base=str(BANDIT),
+        members=[
+            {"name": "ok"},
+            {"name": "bad", "overrides": [IMPOSSIBLE]},
+            {"name": "typo", "overrides": ["learner.optim.mini_bach_size=4"]},
+        ],
+        seeds=[0, 1],
+    )
     configs, errors = validate_members(sweep, expand(sweep))
     assert set(configs) == {"ok-s0", "ok-s1"}
     assert set(errors) == {"bad-s0", "bad-s1", "typo-s0", "typo-s1"}
@@ -142,16 +163,26 @@ def test_every_shipped_sweep_file_expands_and_validates() -> None:
 
 
 # ------------------------------------------------------------------------------------ report
-def synthetic_history(seed: int, peak_at: int, spike_at: int | None, steps: int = 10) -> dict[int, dict[str, float]]:
+def synthetic_history(
+    seed: int, peak_at: int, spike_at: int | None, steps: int = 10
+) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
     for k in range(steps + 1):
-        m = {"val-env/success": min(1.0, 0.1 * k) if k <= peak_at else 0.1 * peak_at - 0.05 * (k - peak_at),
-             "val-env/Bandit/success": 0.3 + 0.01 * seed + 0.02 * k}
+        m = {
+            "val-env/success": min(1.0, 0.1 * k) if k <= peak_at else 0.1 * peak_at - 0.05 * (k - peak_at),
+            "val-env/Bandit/success": 0.3 + 0.01 * seed + 0.02 * k,
+        }
         if k > 0:
-            m.update({"rollout/in_group_std": 0.5 - 0.01 * k, "actor/entropy": 2.0 - 0.05 * k + 0.01 * seed,
-                      "actor/grad_norm": 50.0 if k == spike_at else 1.0 + 0.01 * k,
-                      "response_length/mean": 40.0 - k, "perf/total_num_tokens": 1000.0 + 10 * k + seed,
-                      "pass@8": 0.5})
+            m.update(
+                {
+                    "rollout/in_group_std": 0.5 - 0.01 * k,
+                    "actor/entropy": 2.0 - 0.05 * k + 0.01 * seed,
+                    "actor/grad_norm": 50.0 if k == spike_at else 1.0 + 0.01 * k,
+                    "response_length/mean": 40.0 - k,
+                    "perf/total_num_tokens": 1000.0 + 10 * k + seed,
+                    "pass@8": 0.5,
+                }
+            )
         out[k] = m
     return out
 
@@ -165,15 +196,29 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
     for i, ((group, seed), (peak_at, spike_at)) in enumerate(plan.items()):
         key = f"{group}-s{seed}"
         child = Tracker(cfg, state)
-        child.start(key, {"trainer.seed": seed}, parent_run_id=pid,
-                    tags={MEMBER_TAG: key, GROUP_TAG: group, SEED_TAG: str(seed), "ragen.sweep_index": str(i)})
+        child.start(
+            key,
+            {"trainer.seed": seed},
+            parent_run_id=pid,
+            tags={MEMBER_TAG: key, GROUP_TAG: group, SEED_TAG: str(seed), "ragen.sweep_index": str(i)},
+        )
         truth[key] = synthetic_history(seed, peak_at, spike_at)
         for k, m in truth[key].items():
             child.log_iteration(k, m)
         child.end("FINISHED")
     bad = Tracker(cfg, state)
-    bad.start("b-s2", {}, parent_run_id=pid, tags={MEMBER_TAG: "b-s2", GROUP_TAG: "b", SEED_TAG: "2",
-                                                   "ragen.sweep_index": "9", ERROR_TAG: "invalid config: boom"})
+    bad.start(
+        "b-s2",
+        {},
+        parent_run_id=pid,
+        tags={
+            MEMBER_TAG: "b-s2",
+            GROUP_TAG: "b",
+            SEED_TAG: "2",
+            "ragen.sweep_index": "9",
+            ERROR_TAG: "invalid config: boom",
+        },
+    )
     bad.end("FAILED")
     parent.end("FAILED")
 
@@ -225,7 +270,8 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
             assert g.final[metric].std == pytest.approx(statistics.stdev(finals))
             assert g.peak[metric].mean == pytest.approx(statistics.fmean(peaks))
             assert g.peak_step[metric].mean == pytest.approx(
-                statistics.fmean(by_key[k].metrics[metric].peak_step for k in keys))
+                statistics.fmean(by_key[k].metrics[metric].peak_step for k in keys)
+            )
         assert g.tokens.mean == pytest.approx(statistics.fmean(by_key[k].tokens for k in keys))
         # mean curve over seeds at one step
         step5 = [truth[k][5]["actor/entropy"] for k in keys]
@@ -236,9 +282,16 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
 
     paths = report.write(tmp_path / "report")
     names = {p.name for p in paths}
-    assert {"report.md", "report.json", "overview.png", "curve_val-env_success.png",
-            "curve_actor_entropy.png", "curve_actor_grad_norm.png", "curve_rollout_in_group_std.png",
-            "curve_response_length_mean.png"} <= names
+    assert {
+        "report.md",
+        "report.json",
+        "overview.png",
+        "curve_val-env_success.png",
+        "curve_actor_entropy.png",
+        "curve_actor_grad_norm.png",
+        "curve_rollout_in_group_std.png",
+        "curve_response_length_mean.png",
+    } <= names
     assert all(p.stat().st_size > 0 for p in paths)
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## Failed members" in md and "b-s2" in md and "invalid config: boom" in md
@@ -248,9 +301,16 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
 def test_collapse_uses_each_child_run_s_own_monitor_thresholds() -> None:
     from ragen_core.sweep import _monitor_from_params
 
-    cfg = _monitor_from_params({"monitor.grad_spike_factor": "100.0", "monitor.std_collapse_ratio": "None",
-                                "monitor.act_on": '["grad_norm_spike"]', "monitor.enabled": "True",
-                                "trainer.seed": "0"}, None)
+    cfg = _monitor_from_params(
+        {
+            "monitor.grad_spike_factor": "100.0",
+            "monitor.std_collapse_ratio": "None",
+            "monitor.act_on": '["grad_norm_spike"]',
+            "monitor.enabled": "True",
+            "trainer.seed": "0",
+        },
+        None,
+    )
     assert (cfg.grad_spike_factor, cfg.std_collapse_ratio, cfg.act_on) == (100.0, None, ["grad_norm_spike"])
     assert _monitor_from_params({"monitor.patience": "not a number"}, None) == MonitorConfig()
     forced = MonitorConfig(grad_spike_factor=2.0)
@@ -280,7 +340,9 @@ class FakeTrain:
         try:
             time.sleep(self.delay)
             t = Tracker(TrackingConfig(), self.state)
-            t.start(info["run_id"], {"x": 1}, run_id=info["mlflow_run_id"], parent_run_id=request.parent_run_id)
+            t.start(
+                info["run_id"], {"x": 1}, run_id=info["mlflow_run_id"], parent_run_id=request.parent_run_id
+            )
             if key in self.fail:
                 t.end("FAILED")
                 raise RuntimeError(f"boom in {key}")
@@ -299,9 +361,13 @@ class FakeTrain:
 
 
 def test_resume_skips_finished_and_retries_failed_only_when_asked(state: Path, tmp_path: Path) -> None:
-    path = write_sweep(tmp_path / "s.yaml", name="resume", overrides=[f"trainer.run_root={tmp_path / 'runs'}"],
-                       members=[{"name": "ok"}, {"name": "crash"}, {"name": "bad", "overrides": [IMPOSSIBLE]}],
-                       seeds=[0, 1])
+    path = write_sweep(
+        tmp_path / "s.yaml",
+        name="resume",
+        overrides=[f"trainer.run_root={tmp_path / 'runs'}"],
+        members=[{"name": "ok"}, {"name": "crash"}, {"name": "bad", "overrides": [IMPOSSIBLE]}],
+        seeds=[0, 1],
+    )
     fake = FakeTrain(state, fail={"crash-s0"})
     out = run_sweep(SweepRequest(path=str(path)), train_fn=fake, state_dir=state)
     assert sorted(fake.keys()) == ["crash-s0", "crash-s1", "ok-s0", "ok-s1"]  # the invalid ones never train
@@ -313,8 +379,13 @@ def test_resume_skips_finished_and_retries_failed_only_when_asked(state: Path, t
     st = SweepState.load(out["state_file"])
     assert st is not None and st.parent_run_id == out["parent_run_id"]
     assert {k: v.status for k, v in st.members.items()} == {
-        "ok-s0": "finished", "ok-s1": "finished", "crash-s0": "failed", "crash-s1": "finished",
-        "bad-s0": "failed", "bad-s1": "failed"}
+        "ok-s0": "finished",
+        "ok-s1": "finished",
+        "crash-s0": "failed",
+        "crash-s1": "finished",
+        "bad-s0": "failed",
+        "bad-s1": "failed",
+    }
     assert "boom in crash-s0" in st.members["crash-s0"].error
     assert Path(out["state_file"]).parent.name.startswith("resume-")
 
@@ -328,8 +399,14 @@ def test_resume_skips_finished_and_retries_failed_only_when_asked(state: Path, t
     assert {"report/report.md", "report/report.json"} <= arts
     report = json.loads((Path(out["report_dir"]) / "report.json").read_text())
     status = {m["key"]: m["status"] for m in report["members"]}
-    assert status == {"ok-s0": "FINISHED", "ok-s1": "FINISHED", "crash-s0": "FAILED", "crash-s1": "FINISHED",
-                      "bad-s0": "FAILED", "bad-s1": "FAILED"}
+    assert status == {
+        "ok-s0": "FINISHED",
+        "ok-s1": "FINISHED",
+        "crash-s0": "FAILED",
+        "crash-s1": "FINISHED",
+        "bad-s0": "FAILED",
+        "bad-s1": "FAILED",
+    }
     children = {m["key"]: m["mlflow_run_id"] for m in report["members"]}
     for key, run_id in children.items():
         tags = client.get_run(run_id).data.tags
@@ -370,8 +447,14 @@ def test_resume_skips_finished_and_retries_failed_only_when_asked(state: Path, t
 
 
 def test_concurrency_bounds_members_at_once(state: Path, tmp_path: Path) -> None:
-    path = write_sweep(tmp_path / "c.yaml", name="conc", overrides=[f"trainer.run_root={tmp_path / 'runs'}"],
-                       grid={"trainer.eval_every": [1, 2]}, seeds=[0, 1, 2], concurrency=2)
+    path = write_sweep(
+        tmp_path / "c.yaml",
+        name="conc",
+        overrides=[f"trainer.run_root={tmp_path / 'runs'}"],
+        grid={"trainer.eval_every": [1, 2]},
+        seeds=[0, 1, 2],
+        concurrency=2,
+    )
     fake = FakeTrain(state, delay=0.3, fail={"eval_every=2-s1"})
     out = run_sweep(SweepRequest(path=str(path)), train_fn=fake, state_dir=state)
     assert len(fake.calls) == 6 and fake.max_active == 2
@@ -380,18 +463,34 @@ def test_concurrency_bounds_members_at_once(state: Path, tmp_path: Path) -> None
 
 # ------------------------------------------------------------------------------------ a real sweep
 TINY = [
-    "trainer.iterations=1", "trainer.eval_every=1", "sft.steps=10", "sft.episodes_per_tag=16",
-    "train.n_groups=[2]", "train.group_size=4", "val.n_groups=[8]", "learner.optim.mini_batch_size=4",
-    "learner.optim.micro_batch_size=4", "rollout.max_new_tokens=16", "trainer.backend=local",
+    "trainer.iterations=1",
+    "trainer.eval_every=1",
+    "sft.steps=10",
+    "sft.episodes_per_tag=16",
+    "train.n_groups=[2]",
+    "train.group_size=4",
+    "val.n_groups=[8]",
+    "learner.optim.mini_batch_size=4",
+    "learner.optim.micro_batch_size=4",
+    "rollout.max_new_tokens=16",
+    "trainer.backend=local",
     "tracking.transcripts_per_iteration=1",
 ]
 
 
-def ragen(args: list[str], state: Path, prefect_home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def ragen(
+    args: list[str], state: Path, prefect_home: Path, timeout: float = 600
+) -> subprocess.CompletedProcess:
     env = child_env(RAGEN_STATE_DIR=str(state), PREFECT_HOME=str(prefect_home), PYTHONUNBUFFERED="1")
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=timeout)
         finally:  # whatever it left behind (an ephemeral Prefect server)
@@ -404,9 +503,12 @@ def ragen(args: list[str], state: Path, prefect_home: Path, timeout: float = 600
 @pytest.mark.slow
 def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    path = write_sweep(tmp_path / "tiny.yaml", name="tiny-real",
-                       overrides=[*TINY, f"trainer.run_root={tmp_path / 'runs'}"],
-                       members=[{"name": "ok"}, {"name": "impossible", "overrides": [IMPOSSIBLE]}])
+    path = write_sweep(
+        tmp_path / "tiny.yaml",
+        name="tiny-real",
+        overrides=[*TINY, f"trainer.run_root={tmp_path / 'runs'}"],
+        members=[{"name": "ok"}, {"name": "impossible", "overrides": [IMPOSSIBLE]}],
+    )
     out = ragen(["sweep", "run", str(path)], state, tmp_path / "prefect")
     assert out.returncode == 2, out.stdout[-4000:]  # 2: a member failed, the sweep itself ran
     assert "FAILED impossible-s0" in out.stdout
@@ -428,11 +530,15 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     assert parent.info.status == "FAILED" and parent.data.tags["ragen.sweep.failed"] == "impossible-s0"
     child = client.get_run(ok["mlflow_run_id"])
     assert child.info.status == "FINISHED" and child.data.tags[PARENT_TAG] == parent.info.run_id
-    assert child.data.params["trainer.seed"] == "0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
+    assert (
+        child.data.params["trainer.seed"] == "0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
+    )
     assert run.info()["mlflow_run_id"] == ok["mlflow_run_id"]
 
     # the report regenerates from MLflow alone
-    again = ragen(["sweep", "report", parent.info.run_id, "--out", str(tmp_path / "rep")], state, tmp_path / "prefect")
+    again = ragen(
+        ["sweep", "report", parent.info.run_id, "--out", str(tmp_path / "rep")], state, tmp_path / "prefect"
+    )
     assert again.returncode == 0, again.stdout[-3000:]
     regenerated = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert regenerated["members"] == report["members"] and (tmp_path / "rep" / "overview.png").exists()

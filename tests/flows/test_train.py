@@ -27,9 +27,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFECT_HOME = Path(tempfile.mkdtemp(prefix="ragen-prefect-home-"))
 CONFIG = ROOT / "configs" / "bandit-tiny.yaml"
 TINY = [
-    "trainer.iterations=3", "trainer.eval_every=3", "sft.steps=20", "sft.episodes_per_tag=32",
-    "train.n_groups=[4]", "train.group_size=4", "val.n_groups=[16]", "learner.optim.mini_batch_size=4",
-    "learner.optim.micro_batch_size=4", "rollout.max_new_tokens=24", "trainer.backend=local",
+    "trainer.iterations=3",
+    "trainer.eval_every=3",
+    "sft.steps=20",
+    "sft.episodes_per_tag=32",
+    "train.n_groups=[4]",
+    "train.group_size=4",
+    "val.n_groups=[16]",
+    "learner.optim.mini_batch_size=4",
+    "learner.optim.micro_batch_size=4",
+    "rollout.max_new_tokens=24",
+    "trainer.backend=local",
 ]
 
 
@@ -38,19 +46,36 @@ class Result:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def ragen(args: list[str], state: Path, crash: str | None = None, timeout: float = 600,
-          extra_env: dict[str, str] | None = None) -> Result:
+def ragen(
+    args: list[str],
+    state: Path,
+    crash: str | None = None,
+    timeout: float = 600,
+    extra_env: dict[str, str] | None = None,
+) -> Result:
     """Run the CLI in its own process group; afterwards kill what it left behind (a SIGKILLed run
     cannot stop its ephemeral Prefect server), and read its output from files, not pipes."""
-    env = child_env(**{"RAGEN_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1", "PREFECT_HOME": str(PREFECT_HOME),
-                       **(extra_env or {})})
+    env = child_env(
+        **{
+            "RAGEN_STATE_DIR": str(state),
+            "PYTHONUNBUFFERED": "1",
+            "PREFECT_HOME": str(PREFECT_HOME),
+            **(extra_env or {}),
+        }
+    )
     if crash:
         env["RAGEN_CRASH_AT"] = crash
     state.mkdir(parents=True, exist_ok=True)
     out_path, err_path = state / "cli.out", state / "cli.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=timeout)
         finally:
@@ -72,8 +97,10 @@ def only_run(state: Path) -> Path:
 
 def weights(run: Path, k: int) -> dict[str, dict[str, torch.Tensor]]:
     ckpt = run / f"iter_{k:04d}" / "checkpoint"
-    return {"policy": safetensors.torch.load_file(str(ckpt / "policy" / "model.safetensors")),
-            "critic": safetensors.torch.load_file(str(ckpt / "critic.safetensors"))}
+    return {
+        "policy": safetensors.torch.load_file(str(ckpt / "policy" / "model.safetensors")),
+        "critic": safetensors.torch.load_file(str(ckpt / "critic.safetensors")),
+    }
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -106,14 +133,25 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
     assert all((run / f"iter_{k:04d}" / "DONE").exists() for k in (1, 2, 3))
     assert mlflow_steps(state, run) == [0, 1, 2, 3]
     metrics = json.loads((run / "iter_0003" / "metrics.json").read_text())
-    for key in ("train/Bandit/success", "val-env/Bandit/success", "rollout/in_group_std", "actor/entropy",
-                "actor/grad_norm", "critic/vf_loss", "actor/pg_clipfrac", "response_length/mean",
-                "timing_s/gen", "perf/tokens_per_s"):
+    for key in (
+        "train/Bandit/success",
+        "val-env/Bandit/success",
+        "rollout/in_group_std",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "actor/pg_clipfrac",
+        "response_length/mean",
+        "timing_s/gen",
+        "perf/tokens_per_s",
+    ):
         assert key in metrics, key
     # What the user saw: a line per iteration (through Prefect's logger), then where to look next.
     err, out = (state / "cli.err").read_text(), (state / "cli.out").read_text()
     lines = [line for line in err.splitlines() if re.search(r"\biteration \d+/3 \|", line)]
-    assert [re.search(r"iteration (\d+/3)", line).group(1) for line in lines] == ["1/3", "2/3", "3/3"], err[-2000:]
+    assert [re.search(r"iteration (\d+/3)", line).group(1) for line in lines] == ["1/3", "2/3", "3/3"], err[
+        -2000:
+    ]
     assert "val success" in lines[-1] and "ETA" in lines[0] and "ETA" not in lines[-1]
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     assert f"ragen evaluate {run_id} --tags Bandit" in out and f"ragen train --resume {run_id}" in out
@@ -134,7 +172,9 @@ def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Pa
 
 
 @pytest.mark.parametrize("point", ["rollout", "learn", "checkpoint"])
-def test_killed_run_resumes_to_the_same_weights(point: str, reference: tuple[Path, Path], tmp_path: Path) -> None:
+def test_killed_run_resumes_to_the_same_weights(
+    point: str, reference: tuple[Path, Path], tmp_path: Path
+) -> None:
     crashed = train(tmp_path, crash=f"{point}:2")
     assert crashed.returncode == -9, crashed.stderr[-3000:]  # SIGKILL: nothing got to clean up
     run = only_run(tmp_path)
@@ -147,8 +187,9 @@ def test_killed_run_resumes_to_the_same_weights(point: str, reference: tuple[Pat
     assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
 
 
-def test_a_run_killed_again_while_resuming_resumes_to_the_same_weights(reference: tuple[Path, Path],
-                                                                         tmp_path: Path) -> None:
+def test_a_run_killed_again_while_resuming_resumes_to_the_same_weights(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
     """The double-resume kill: killed in iteration 2, killed again in iteration 3 of the resume."""
     assert train(tmp_path, crash="learn:2").returncode == -9
     run = only_run(tmp_path)
@@ -175,10 +216,16 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
     stored iteration reruns identical, iteration 3's learn stage from iteration 1's state."""
     from ragen_core.pipeline import RunDir, rerun_stage
 
-    monitor = ("monitor.action=rollback", "monitor.max_rollbacks=1", "monitor.patience=1",
-               "monitor.entropy_init_window=1", "monitor.entropy_collapse_ratio=0.99999",
-               "monitor.entropy_blowup_ratio=1.00001", "monitor.act_on=[entropy_collapse,entropy_blowup]",
-               "trainer.iterations=4")
+    monitor = (
+        "monitor.action=rollback",
+        "monitor.max_rollbacks=1",
+        "monitor.patience=1",
+        "monitor.entropy_init_window=1",
+        "monitor.entropy_collapse_ratio=0.99999",
+        "monitor.entropy_blowup_ratio=1.00001",
+        "monitor.act_on=[entropy_collapse,entropy_blowup]",
+        "trainer.iterations=4",
+    )
     out = train(tmp_path, extra=monitor)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = RunDir(only_run(tmp_path))
@@ -187,8 +234,12 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
     assert (record["after"], record["to"]) == (2, 1) and record["signals"]
     assert run.start_of(3) == 1 and run.start_of(2) == 1 and run.start_of(4) == 3
     assert json.loads((run.checkpoint(2) / "manifest.json").read_text())["iteration"] == 2
-    assert any(not torch.equal(a, b) for a, b in zip(weights(run.root, 2)["policy"].values(),
-                                                      weights(run.root, 1)["policy"].values(), strict=True))
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(
+            weights(run.root, 2)["policy"].values(), weights(run.root, 1)["policy"].values(), strict=True
+        )
+    )
     for k in (1, 2, 3):
         for stage in ("rollout", "learn"):
             result = rerun_stage(run, k, stage, tmp_path / "reruns" / f"{k}-{stage}", backend="local")
@@ -232,8 +283,12 @@ def test_unreachable_tracking_server_fails_fast(tmp_path: Path) -> None:
 
     t0 = time.perf_counter()
     sets = [x for o in [*TINY, f"trainer.run_root={tmp_path / 'runs'}"] for x in ("--set", o)]
-    out = ragen(["train", str(CONFIG), *sets], tmp_path, timeout=300,
-                extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})  # discard port: nothing listens
+    out = ragen(
+        ["train", str(CONFIG), *sets],
+        tmp_path,
+        timeout=300,
+        extra_env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"},
+    )  # discard port: nothing listens
     elapsed = time.perf_counter() - t0
     assert out.returncode != 0
     assert "http://127.0.0.1:9" in out.stderr + out.stdout and "unreachable" in out.stderr + out.stdout

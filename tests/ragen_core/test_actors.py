@@ -18,8 +18,9 @@ from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny
 pytestmark = pytest.mark.slow
 
 
-CFG = make_cfg(use_kl_loss=True, kl_loss_coef=0.05, optim={"mini_batch_size": 4, "micro_batch_size": 1,
-                                                           "ppo_epochs": 2})
+CFG = make_cfg(
+    use_kl_loss=True, kl_loss_coef=0.05, optim={"mini_batch_size": 4, "micro_batch_size": 1, "ppo_epochs": 2}
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,21 @@ def test_two_learner_actors_equal_one_learner(ray_cluster, factory, group2, tmp_
     w2 = group2.get_weights()
 
     diff_dp, diff_local = max_diff(w1, w2), max_diff(w1, local_w)
-    print(f"DP max |w(2 actors) - w(1 actor)| = {diff_dp:.3g}; 1 actor vs in-process learner {diff_local:.3g}")
+    print(
+        f"DP max |w(2 actors) - w(1 actor)| = {diff_dp:.3g}; 1 actor vs in-process learner {diff_local:.3g}"
+    )
     assert diff_dp < 1e-9 and diff_local < 1e-12
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac",
-                "actor/ppo_kl", "critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "critic/vf_loss",
+        "critic/grad_norm",
+        "critic/vpred_mean",
+    ):
         assert m2[key] == pytest.approx(m1[key], rel=1e-8, abs=1e-12), key
         assert m1[key] == pytest.approx(local_metrics[key], rel=1e-8, abs=1e-12), key
 

@@ -21,14 +21,19 @@ def test_defaults_are_ragens_base_yaml() -> None:
 def test_the_mini_batch_check_counts_kept_groups_as_the_filter_does() -> None:
     # 0.58 x 25 groups keeps 15 groups (the filter's count), so a mini-batch of 15 x 4 fits and 61 does not
     base = ["train.n_groups=[25]", "train.group_size=4", "rollout.filter_ratio=0.58"]
-    assert load_config(overrides=[*base, "learner.optim.mini_batch_size=60"]).learner.optim.mini_batch_size == 60
+    assert (
+        load_config(overrides=[*base, "learner.optim.mini_batch_size=60"]).learner.optim.mini_batch_size == 60
+    )
     with pytest.raises(ConfigError, match=r"filtered batch \(60 = 15 kept groups x 4\)"):
         load_config(overrides=[*base, "learner.optim.mini_batch_size=61"])
 
 
 def test_overrides_parse_yaml_values() -> None:
     assert parse_overrides(["a.b=1", "a.c=[x, y]", "d=null", "e=0.28"]) == {
-        "a": {"b": 1, "c": ["x", "y"]}, "d": None, "e": 0.28}
+        "a": {"b": 1, "c": ["x", "y"]},
+        "d": None,
+        "e": 0.28,
+    }
     with pytest.raises(ConfigError, match="not KEY=VALUE"):
         parse_overrides(["learner.algorithm.clip_high"])
 
@@ -39,7 +44,10 @@ def test_overrides_parse_yaml_values() -> None:
         ("train.group_sise=3", r"train\.group_sise: unknown key; did you mean train\.group_size\?"),
         ("learner.algorithm.clip_hgh=0.3", r"did you mean learner\.algorithm\.clip_high\?"),
         ("rollout.temperature=hot", r"rollout\.temperature: .*valid number"),
-        ("train.group_size=1", r"train\.group_size=1 has no in-group reward variance.*rollout\.filter_ratio=1"),
+        (
+            "train.group_size=1",
+            r"train\.group_size=1 has no in-group reward variance.*rollout\.filter_ratio=1",
+        ),
         ("rollout.filter_ratio=0.1", r"learner\.optim\.mini_batch_size=32 is larger than the filtered batch"),
         ("rollout.engine=vlm", r"rollout\.engine"),
     ],
@@ -51,13 +59,21 @@ def test_bad_configs_name_the_key_and_the_fix(override: str, message: str) -> No
 
 def test_grpo_needs_groups() -> None:
     with pytest.raises(ConfigError, match=r"adv_estimator=grpo needs train\.group_size>=2"):
-        load_config(overrides=["learner.algorithm.adv_estimator=grpo", "train.group_size=1",
-                               "rollout.filter_ratio=1"])
+        load_config(
+            overrides=["learner.algorithm.adv_estimator=grpo", "train.group_size=1", "rollout.filter_ratio=1"]
+        )
 
 
 def test_yaml_round_trip_and_hash(tmp_path: Path) -> None:
-    cfg = load_config(overrides=["trainer.iterations=3", "train.tags=[Bandit]", "train.n_groups=[4]",
-                                 "train.group_size=4", "learner.optim.mini_batch_size=4"])
+    cfg = load_config(
+        overrides=[
+            "trainer.iterations=3",
+            "train.tags=[Bandit]",
+            "train.n_groups=[4]",
+            "train.group_size=4",
+            "learner.optim.mini_batch_size=4",
+        ]
+    )
     path = dump_config(cfg, tmp_path / "run.yaml")
     again = load_config(path)
     assert again == cfg and config_hash(again) == config_hash(cfg)
@@ -72,10 +88,16 @@ def test_yaml_round_trip_and_hash(tmp_path: Path) -> None:
     ("override", "message"),
     [
         ("train.tags=[Banditt]", r"train\.tags: unknown environment tag 'Banditt'; did you mean Bandit"),
-        ("val.tags=[SimpleSokoba]", r"val\.tags: unknown environment tag 'SimpleSokoba'; did you mean SimpleSokoban"),
+        (
+            "val.tags=[SimpleSokoba]",
+            r"val\.tags: unknown environment tag 'SimpleSokoba'; did you mean SimpleSokoban",
+        ),
         ("sft.tags=[FrozenLak]", r"sft\.tags: unknown environment tag 'FrozenLak'; did you mean FrozenLake"),
         ("train.tags=[Zzzz]", r"train\.tags: unknown environment tag 'Zzzz'; known tags: .*Bandit"),
-        ("model.hidden_size=65", r"model\.hidden_size=65 is not divisible by model\.num_heads=4.*model\.hidden_size=64"),
+        (
+            "model.hidden_size=65",
+            r"model\.hidden_size=65 is not divisible by model\.num_heads=4.*model\.hidden_size=64",
+        ),
         ("model.hidden_size=60", r"model\.hidden_size / model\.num_heads = 15 is odd.*rotary"),
         ("model.num_kv_heads=3", r"model\.num_heads=4 is not divisible by model\.num_kv_heads=3"),
     ],
@@ -93,11 +115,14 @@ def test_a_saved_model_brings_its_own_shape_and_registered_tags_are_known() -> N
     import envs
     from envs.registry import EnvSpec
 
-    cfg = load_config(overrides=["model.path=/models/qwen", "model.hidden_size=65", "learner.optim.mini_batch_size=32"])
+    cfg = load_config(
+        overrides=["model.path=/models/qwen", "model.hidden_size=65", "learner.optim.mini_batch_size=32"]
+    )
     assert cfg.model.hidden_size == 65  # ignored when model.path is set: nothing to check
     envs.register_tag(EnvSpec(tag="ConfigProbeSokoban", env_type="sokoban", env_config={"dim_room": [5, 5]}))
-    assert load_config(overrides=["train.tags=[ConfigProbeSokoban]", "learner.optim.mini_batch_size=32"]
-                       ).train.tags == ["ConfigProbeSokoban"]
+    assert load_config(
+        overrides=["train.tags=[ConfigProbeSokoban]", "learner.optim.mini_batch_size=32"]
+    ).train.tags == ["ConfigProbeSokoban"]
 
 
 def test_yaml_errors_name_the_file_the_line_and_the_override(tmp_path: Path) -> None:

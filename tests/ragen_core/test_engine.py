@@ -210,7 +210,9 @@ def test_a_continuation_prefills_only_its_new_tokens_and_matches_a_full_prefill(
         eng = HFEngine(model, tokenizer, max_batch_size=max_batch_size)
         with eng.conversations():
             first = eng.generate(prompts, params)
-            second_prompts = [p + f.token_ids + x for p, f, x in zip(prompts, first, news, strict=True)] + fresh
+            second_prompts = [
+                p + f.token_ids + x for p, f, x in zip(prompts, first, news, strict=True)
+            ] + fresh
             before = dict(eng.prefix_stats)
             second = eng.generate(second_prompts, params)
         reused = eng.prefix_stats["reused"] - before["reused"]

@@ -42,12 +42,19 @@ class LineEnv(Env):
         self.steps.append(name)
         if name == "Fall":
             self.done = True
-            return StepResult("fell", -1.0, True, {"success": False, "action_is_valid": True, "action_is_effective": True})
+            return StepResult(
+                "fell", -1.0, True, {"success": False, "action_is_valid": True, "action_is_effective": True}
+            )
         old = self.pos
         self.pos = min(self.GOAL, max(0, self.pos + {"Left": -1, "Right": 1, "Stay": 0}[name]))
         reward = -0.1 + (1.0 if self.pos == self.GOAL else 0.0)
         self.done = self.pos == self.GOAL
-        info = {"success": self.done, "action_is_valid": True, "action_is_effective": self.pos != old, "extra": 2}
+        info = {
+            "success": self.done,
+            "action_is_valid": True,
+            "action_is_effective": self.pos != old,
+            "extra": 2,
+        }
         return StepResult(self.render(), reward, self.done, info)
 
     def render(self) -> str:
@@ -71,15 +78,24 @@ class EchoEnv(Env):
     def step(self, action: str) -> StepResult:
         ok = action.strip() == str(self.seed % 10)
         self.obs = "right" if ok else "wrong"
-        return StepResult(self.obs, 1.0 if ok else 0.0, True, {"success": ok, "action_is_valid": True, "action_is_effective": True})
+        return StepResult(
+            self.obs,
+            1.0 if ok else 0.0,
+            True,
+            {"success": ok, "action_is_valid": True, "action_is_effective": True},
+        )
 
     def render(self) -> str:
         return self.obs
 
 
 SPECS = {
-    "Line": EnvSpec(tag="Line", env_type="line", env_instruction="Walk right.", max_actions_per_traj=4, max_tokens=50),
-    "Echo": EnvSpec(tag="Echo", env_type="echo", env_instruction="Echo.", max_actions_per_traj=1, max_tokens=20),
+    "Line": EnvSpec(
+        tag="Line", env_type="line", env_instruction="Walk right.", max_actions_per_traj=4, max_tokens=50
+    ),
+    "Echo": EnvSpec(
+        tag="Echo", env_type="echo", env_instruction="Echo.", max_actions_per_traj=1, max_tokens=20
+    ),
 }
 
 
@@ -91,7 +107,12 @@ def make_fake(tag: str, **overrides: Any) -> Env:
 
 
 def groups(
-    tags: list[str], n_groups: list[int], group_size: int, mode: str = "train", seed: int | None = None, **proto: Any
+    tags: list[str],
+    n_groups: list[int],
+    group_size: int,
+    mode: str = "train",
+    seed: int | None = None,
+    **proto: Any,
 ) -> EnvGroups:
     cfg = EnvGroupsConfig(tags=tags, n_groups=n_groups, group_size=group_size, seed=seed)
     return EnvGroups(cfg, ProtocolConfig(**proto), mode=mode, make_env=make_fake)  # type: ignore[arg-type]
@@ -104,7 +125,13 @@ def answer(*actions: str) -> str:
 # ------------------------------------------------------------------------------- config
 def test_config_defaults_are_ragen_train() -> None:
     c = EnvGroupsConfig()
-    assert (c.tags, c.n_groups, c.group_size, c.num_groups, c.num_envs) == (["SimpleSokoban"], [8], 16, 8, 128)
+    assert (c.tags, c.n_groups, c.group_size, c.num_groups, c.num_envs) == (
+        ["SimpleSokoban"],
+        [8],
+        16,
+        8,
+        128,
+    )
     assert c.base_seed("train") == 10000 and c.base_seed("val") == 123
     assert EnvGroupsConfig(seed=7).base_seed("val") == 7
     assert GroupsConfig is EnvGroupsConfig
@@ -306,7 +333,9 @@ def test_context_window_messages() -> None:
     g.step({0: answer("Right")})
     msgs = g.messages(0)
     assert len(msgs) == 2  # the window holds only the pending turn, numbered 1
-    assert msgs[1]["content"].endswith("\nTurn 1:\nState:\n_P_______G\n" + msgs[1]["content"].split("G\n", 1)[1])
+    assert msgs[1]["content"].endswith(
+        "\nTurn 1:\nState:\n_P_______G\n" + msgs[1]["content"].split("G\n", 1)[1]
+    )
     assert "\nTurn 1:\nState:\n_P_______G\nYou have 3 actions left" in msgs[1]["content"]
     assert "Reward" not in msgs[1]["content"]
 
@@ -318,8 +347,16 @@ def test_metrics_hand_made() -> None:
     g.reset(0)
     # env 0: solves in one turn (2 actions). env 1: Stay then Jump-only turn, then max_turn.
     # env 2, 3 (start 0): two turns of Right, Right -> budget exhausted.
-    out = g.step({0: answer("Right", "Right"), 1: answer("Stay"), 2: answer("Right", "Right"),
-                  3: answer("Right", "Jump"), 4: answer("9"), 5: answer("1")})
+    out = g.step(
+        {
+            0: answer("Right", "Right"),
+            1: answer("Stay"),
+            2: answer("Right", "Right"),
+            3: answer("Right", "Jump"),
+            4: answer("9"),
+            5: answer("1"),
+        }
+    )
     assert out[0].success and out[4].success and not out[5].success
     assert sorted(g.active_ids()) == [1, 2, 3]
     g.step({1: answer("Jump"), 2: answer("Right", "Right"), 3: answer("Right", "Right", "Right")})
@@ -341,7 +378,9 @@ def test_metrics_hand_made() -> None:
     assert metrics["success"] == pytest.approx(2 / 6)
     assert "Line/success" in metrics and not any("/success/" in k for k in metrics)
     s = {t.env_id: t for t in g.trajectories()}
-    assert s[3].num_actions == 4 and s[3].actions == [["Right"], ["Right"] * 3] and s[3].end_reason == "budget"
+    assert (
+        s[3].num_actions == 4 and s[3].actions == [["Right"], ["Right"] * 3] and s[3].end_reason == "budget"
+    )
     assert s[3].turn_rewards == pytest.approx([-0.1, -0.3]) and s[3].turn_penalties == [-0.1, 0.0]
     assert s[1].infos[1] == {} and s[1].to_dict()["group_id"] == 0
 
@@ -354,7 +393,9 @@ def test_metrics_before_any_turn() -> None:
 
 
 # ------------------------------------------------------------------------------- real envs
-def _real(tags: list[str], n_groups: list[int], group_size: int, mode: str = "train", **proto: Any) -> EnvGroups:
+def _real(
+    tags: list[str], n_groups: list[int], group_size: int, mode: str = "train", **proto: Any
+) -> EnvGroups:
     cfg = EnvGroupsConfig(tags=tags, n_groups=n_groups, group_size=group_size)
     return EnvGroups(cfg, ProtocolConfig(**proto), mode=mode)  # type: ignore[arg-type]
 
@@ -381,7 +422,7 @@ def test_real_sokoban_oracle_within_budget() -> None:
     g.reset(0)
     plans = {i: solve(g.env(i)) for i in g.env_ids}
     while g.active_ids():
-        g.step({i: answer(*plans[i][: 5]) if plans[i] else answer("Up") for i in g.active_ids()})
+        g.step({i: answer(*plans[i][:5]) if plans[i] else answer("Up") for i in g.active_ids()})
         for i in list(plans):
             if plans[i]:
                 plans[i] = plans[i][5:]
@@ -407,8 +448,10 @@ def test_protocol_can_set_the_episode_budget_for_every_tag() -> None:
     import pytest
     from pydantic import ValidationError
 
-    g = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[1], group_size=1),
-                  ProtocolConfig(max_actions_per_traj=15))
+    g = EnvGroups(
+        EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[1], group_size=1),
+        ProtocolConfig(max_actions_per_traj=15),
+    )
     g.reset(0)
     assert g.history(0)[0].actions_left == 15 and "up to 15 actions" in g.prefix(0)
     with pytest.raises(ValidationError):

@@ -17,8 +17,14 @@ MATMUL = "import torch; a = torch.ones(64, 64); a @ a"
 
 def mkl_verbose(code: str, **env: str) -> str:
     clean = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS_ENV}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**clean, "MKL_VERBOSE": "1", **env})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, "MKL_VERBOSE": "1", **env},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "GEMM" in line]
     assert lines, "torch's matmul did not go through MKL: " + (out.stdout + out.stderr)[-2000:]

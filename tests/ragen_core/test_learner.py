@@ -44,8 +44,14 @@ def _one_thread():
 def tiny_policy(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 64) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
     )
     return Qwen2ForCausalLM(cfg).to(dtype)
 
@@ -54,8 +60,9 @@ def make_cfg(**algorithm) -> LearnerConfig:
     optim = algorithm.pop("optim", {})
     return LearnerConfig(
         algorithm=AlgorithmConfig(**algorithm),
-        optim=OptimConfig(**{"actor_lr": 1e-3, "critic_lr": 1e-3, "mini_batch_size": 4,
-                             "micro_batch_size": 2, **optim}),
+        optim=OptimConfig(
+            **{"actor_lr": 1e-3, "critic_lr": 1e-3, "mini_batch_size": 4, "micro_batch_size": 2, **optim}
+        ),
     )
 
 
@@ -72,8 +79,12 @@ def random_batch(n: int = 8, seed: int = 0, max_len: int = 14) -> TokenBatch:
     loss_mask = (((turn == 1) | (turn == 3)) & (attention == 1)).float()
     rollout_logprobs = -torch.rand(n, max_len, generator=g) * loss_mask
     return TokenBatch(
-        input_ids=ids, attention_mask=attention, loss_mask=loss_mask, turn_index=turn,
-        rollout_logprobs=rollout_logprobs, scores=torch.randn(n, generator=g),
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        turn_index=turn,
+        rollout_logprobs=rollout_logprobs,
+        scores=torch.randn(n, generator=g),
         group_ids=torch.arange(n) // 4,
     )
 
@@ -102,9 +113,13 @@ def toy_rollout(policy, n_groups: int, group_size: int, gen: torch.Generator) ->
     loss_mask = torch.zeros(n, 5)
     loss_mask[:, 4] = 1
     batch = TokenBatch(
-        input_ids=torch.tensor(ids), attention_mask=torch.ones(n, 5, dtype=torch.long), loss_mask=loss_mask,
-        turn_index=torch.tensor([[0, 0, 0, 0, 1]] * n), rollout_logprobs=torch.tensor(rl),
-        scores=torch.tensor(scores), group_ids=torch.arange(n) // group_size,
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.ones(n, 5, dtype=torch.long),
+        loss_mask=loss_mask,
+        turn_index=torch.tensor([[0, 0, 0, 0, 1]] * n),
+        rollout_logprobs=torch.tensor(rl),
+        scores=torch.tensor(scores),
+        group_ids=torch.arange(n) // group_size,
     )
     return batch, float(p_good.mean())
 
@@ -129,12 +144,29 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_config_defaults_match_spec():
     cfg = LearnerConfig()
     a, o = cfg.algorithm, cfg.optim
-    assert (a.adv_estimator, a.gamma, a.lam, a.bi_level_gae, a.high_level_gamma) == ("gae", 1.0, 1.0, False, 0.95)
+    assert (a.adv_estimator, a.gamma, a.lam, a.bi_level_gae, a.high_level_gamma) == (
+        "gae",
+        1.0,
+        1.0,
+        False,
+        0.95,
+    )
     assert (a.clip_low, a.clip_high, a.dual_clip, a.value_clip) == (0.2, 0.28, 3.0, 0.5)
     assert (a.loss_agg_mode, a.entropy_coeff, a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type) == (
-        "token-mean", 0.001, False, 0.0, "k1")
+        "token-mean",
+        0.001,
+        False,
+        0.0,
+        "k1",
+    )
     assert (a.use_kl_in_reward, a.kl_coef, a.norm_adv_by_std, a.whiten_advantages) == (False, 0.0, True, True)
-    assert (o.actor_lr, o.critic_lr, o.weight_decay, o.betas, o.grad_clip) == (1e-6, 1e-5, 0.01, (0.9, 0.999), 1.0)
+    assert (o.actor_lr, o.critic_lr, o.weight_decay, o.betas, o.grad_clip) == (
+        1e-6,
+        1e-5,
+        0.01,
+        (0.9, 0.999),
+        1.0,
+    )
     assert (o.ppo_epochs, o.mini_batch_size, o.micro_batch_size, o.critic) == (1, 32, 4, "separate")
     assert (cfg.num_gpus, cfg.num_cpus, cfg.bf16_autocast_on_gpu) == (0, 1, True)
 
@@ -158,8 +190,13 @@ def test_micro_batch_size_does_not_change_the_update(estimator):
     batch = random_batch(8, seed=1)
     results = []
     for mbs in (1, 2, 4):
-        cfg = make_cfg(adv_estimator=estimator, use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
-                       optim={"micro_batch_size": mbs, "mini_batch_size": 4, "ppo_epochs": 2})
+        cfg = make_cfg(
+            adv_estimator=estimator,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            entropy_coeff=0.01,
+            optim={"micro_batch_size": mbs, "mini_batch_size": 4, "ppo_epochs": 2},
+        )
         learner = Learner(tiny_policy(dtype=torch.float64), cfg)
         metrics = learner.step(batch)
         results.append((weights(learner.policy), learner.critic and weights(learner.critic), metrics))
@@ -181,8 +218,11 @@ def test_old_logprobs_from_the_update_give_the_same_step_one_pass_fewer(estimato
     batch = random_batch(8, seed=3)
     results = []
     for from_update in (False, True):
-        cfg = make_cfg(adv_estimator=estimator, entropy_coeff=0.01,
-                       optim={"mini_batch_size": 8, "micro_batch_size": 3, "old_logprobs_from_update": from_update})
+        cfg = make_cfg(
+            adv_estimator=estimator,
+            entropy_coeff=0.01,
+            optim={"mini_batch_size": 8, "micro_batch_size": 3, "old_logprobs_from_update": from_update},
+        )
         learner = Learner(tiny_policy(dtype=torch.float64), cfg)
         metrics = learner.step(batch)
         results.append((weights(learner.policy), metrics))
@@ -216,12 +256,32 @@ def test_step_metrics_have_ragen_names():
     cfg = make_cfg(use_kl_loss=True, kl_loss_coef=0.01)
     metrics = Learner(tiny_policy(), cfg).step(random_batch(8))
     expected = [
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-        "actor/grad_norm", "actor/lr", "actor/kl_loss", "actor/skipped_steps", "critic/vf_loss",
-        "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/vf_explained_var",
-        "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min", "critic/returns/mean",
-        "critic/values/mean", "critic/score/mean", "critic/score/max", "critic/score/min",
-        "rollout/old_vs_rollout_logprob_diff", "rollout/ref_log_prob", "perf/tokens_per_s", "perf/step_s",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/kl_loss",
+        "actor/skipped_steps",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/grad_norm",
+        "critic/vf_explained_var",
+        "critic/advantages/mean",
+        "critic/advantages/max",
+        "critic/advantages/min",
+        "critic/returns/mean",
+        "critic/values/mean",
+        "critic/score/mean",
+        "critic/score/max",
+        "critic/score/min",
+        "rollout/old_vs_rollout_logprob_diff",
+        "rollout/ref_log_prob",
+        "perf/tokens_per_s",
+        "perf/step_s",
         "response_length/mean",
     ]
     assert not [k for k in expected if k not in metrics]
@@ -238,7 +298,10 @@ def test_other_estimators_and_options_run():
         ({"adv_estimator": "reinforce_pp", "use_kl_in_reward": True, "kl_coef": 0.1}, {}),
         ({"bi_level_gae": True}, {}),
         ({"bi_level_gae": True, "use_kl_in_reward": True, "kl_coef": 0.1}, {"turn_scores": turn_scores}),
-        ({"loss_agg_mode": "seq-mean-token-mean", "optim": {"critic": "shared_backbone", "shuffle": True}}, {}),
+        (
+            {"loss_agg_mode": "seq-mean-token-mean", "optim": {"critic": "shared_backbone", "shuffle": True}},
+            {},
+        ),
     ]:
         learner = Learner(tiny_policy(), make_cfg(**cfg_kwargs))
         before = weights(learner.policy)
@@ -303,8 +366,14 @@ def test_bad_input_raises_clear_errors_and_changes_nothing():
 # ------------------------------------------------------------------------------------------ learning
 
 
-def _train_toy(name: str, learner: Learner, n_groups: int, group_size: int, filter_ratio: float | None,
-               max_steps: int = 60) -> tuple[int, float, float]:
+def _train_toy(
+    name: str,
+    learner: Learner,
+    n_groups: int,
+    group_size: int,
+    filter_ratio: float | None,
+    max_steps: int = 60,
+) -> tuple[int, float, float]:
     gen = torch.Generator().manual_seed(123)
     _, p0 = toy_rollout(learner.policy, n_groups, group_size, gen)
     for step in range(max_steps + 1):
@@ -354,8 +423,15 @@ def resume_and_step(ckpt: str, out: str) -> None:
     assert info["iteration"] == 1 and info["extra"] == {"note": "x"}, info
     noise = torch.rand(3)  # the restored RNG continues where the saved one stood
     learner.step(random_batch(8, seed=11))
-    torch.save({"policy": weights(learner.policy), "critic": weights(learner.critic), "noise": noise,
-                "step": learner.global_step}, out)
+    torch.save(
+        {
+            "policy": weights(learner.policy),
+            "critic": weights(learner.critic),
+            "noise": noise,
+            "step": learner.global_step,
+        },
+        out,
+    )
 
 
 def test_checkpoint_resume_in_new_process_is_bitwise(tmp_path):
@@ -374,8 +450,14 @@ def test_checkpoint_resume_in_new_process_is_bitwise(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "resumed.pt"
-    proc = subprocess.run([sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path / "ckpt"), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path / "ckpt"), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = torch.load(out, weights_only=True)
     assert resumed["step"] == learner.global_step == 2
@@ -469,8 +551,11 @@ def test_checkpoint_manifest_digests_every_file_and_load_refuses_a_damaged_one(t
     fresh = Learner(tiny_policy(seed=1), make_cfg())
     before = weights(fresh.policy)
     _xor(ckpt / "policy" / "model.safetensors", 4096, 4096)  # still a loadable safetensors file
-    with pytest.raises(CheckpointError, match=r"policy/model\.safetensors: corrupt file: .*iteration 5 .*"
-                                              r"Restore .*ckpt from a copy"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"policy/model\.safetensors: corrupt file: .*iteration 5 .*"
+        r"Restore .*ckpt from a copy",
+    ):
         fresh.load_checkpoint(ckpt)
     assert max_diff(before, weights(fresh.policy)) == 0.0 and fresh.global_step == 0  # nothing loaded
 
@@ -514,8 +599,11 @@ def test_checkpoint_on_a_full_disk_names_it_and_keeps_the_previous_one(tmp_path,
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", no_space)
-    with pytest.raises(StorageWriteError, match=rf"^{ckpt}: cannot write the checkpoint: No space left on device; "
-                                                "free disk space or choose another trainer.run_root"):
+    with pytest.raises(
+        StorageWriteError,
+        match=rf"^{ckpt}: cannot write the checkpoint: No space left on device; "
+        "free disk space or choose another trainer.run_root",
+    ):
         learner.save_checkpoint(ckpt, iteration=2)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -534,17 +622,23 @@ def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path
 
     learner = Learner(tiny_policy(), make_cfg())
     if writer == "safetensors":
+
         def fail(*args, **kwargs):
             raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
 
         monkeypatch.setattr(type(learner.policy), "save_pretrained", fail)
     else:
+
         def fail(*args, **kwargs):
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 927546496 vs 927546388")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 927546496 vs 927546388"
+            )
 
         usage = namedtuple("usage", "total used free")
         monkeypatch.setattr(torch, "save", fail)
         monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
-    with pytest.raises(StorageWriteError, match="cannot write the checkpoint: No space left on device; free disk"):
+    with pytest.raises(
+        StorageWriteError, match="cannot write the checkpoint: No space left on device; free disk"
+    ):
         learner.save_checkpoint(tmp_path / "ckpt", iteration=1)
     assert list(tmp_path.iterdir()) == []

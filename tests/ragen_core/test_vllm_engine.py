@@ -37,8 +37,9 @@ def _require_vllm() -> None:
 
 
 # head size 64 / 2 = 32: vLLM's CPU attention has no kernel for the hf tests' head size 16
-TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                   corpus_seeds=4, seed=5)
+TINY = ModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, corpus_seeds=4, seed=5
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,18 @@ def engine(policy):
 @pytest.fixture(scope="module")
 def prompts(policy):
     _, _, tok = policy
-    texts = ["Turn 1:\nState:\n######\n#_OXP#\n######\nYou have 10 actions left.",
-             "You are solving the FrozenLake puzzle.", "Reward:\n-0.1\n", "Target: 19, nums: [73, 98, 9]"]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                    tokenize=True)["input_ids"] for t in texts]
+    texts = [
+        "Turn 1:\nState:\n######\n#_OXP#\n######\nYou have 10 actions left.",
+        "You are solving the FrozenLake puzzle.",
+        "Reward:\n-0.1\n",
+        "Target: 19, nums: [73, 98, 9]",
+    ]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+        for t in texts
+    ]
 
 
 def learner_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -75,8 +84,10 @@ def learner_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 
 def max_gap(model, prompts, gens) -> float:
-    return max(float((learner_logprobs(model, p, g.token_ids) - torch.tensor(g.logprobs)).abs().max())
-               for p, g in zip(prompts, gens, strict=True))
+    return max(
+        float((learner_logprobs(model, p, g.token_ids) - torch.tensor(g.logprobs)).abs().max())
+        for p, g in zip(prompts, gens, strict=True)
+    )
 
 
 def test_generate_logprobs_match_the_learner(engine, policy, prompts):
@@ -109,17 +120,21 @@ def test_large_seeded_batch(engine, policy, prompts):
 
 def test_greedy_and_stop_tokens(engine, policy, prompts):
     _, model, _ = policy
-    free = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[]))[0]
+    free = engine.generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[])
+    )[0]
     assert free.finish_reason == "length" and len(free) == 16
     # greedy = argmax of the learner's logits at every step
     ids = list(prompts[0])
     with torch.no_grad():
         for _ in range(16):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    assert free.token_ids == ids[len(prompts[0]):]
+    assert free.token_ids == ids[len(prompts[0]) :]
     stop = free.token_ids[5]
     first = free.token_ids.index(stop)
-    cut = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[stop]))[0]
+    cut = engine.generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=16, stop_token_ids=[stop])
+    )[0]
     assert cut.finish_reason == "stop"
     assert cut.token_ids == free.token_ids[: first + 1]  # the stop token is included, nothing after it
 
@@ -148,7 +163,9 @@ def test_prompt_limits(engine, prompts):
         engine.generate([[10**6]], SamplingParams(max_new_tokens=4))
     # a prompt near the limit gets only the room that is left
     near = (list(prompts[0]) * 40)[:250]
-    g = engine.generate([near], SamplingParams(temperature=1.0, max_new_tokens=50, seed=0, stop_token_ids=[]))[0]
+    g = engine.generate(
+        [near], SamplingParams(temperature=1.0, max_new_tokens=50, seed=0, stop_token_ids=[])
+    )[0]
     assert len(g) == 6 and g.finish_reason == "length"
 
 
@@ -178,9 +195,16 @@ def test_two_iteration_training_with_vllm(tmp_path):
     from tests.flows.test_train import CONFIG, only_run, ragen
     from tests.flows.test_train import TINY as TRAIN_TINY
 
-    sets = [*[o for o in TRAIN_TINY if not o.startswith("trainer.iterations") and "backend" not in o],
-            "trainer.iterations=2", "trainer.eval_every=2", "trainer.backend=ray", "rollout.engine=vllm",
-            "model.num_heads=2", "model.num_kv_heads=1", f"trainer.run_root={tmp_path / 'runs'}"]
+    sets = [
+        *[o for o in TRAIN_TINY if not o.startswith("trainer.iterations") and "backend" not in o],
+        "trainer.iterations=2",
+        "trainer.eval_every=2",
+        "trainer.backend=ray",
+        "rollout.engine=vllm",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        f"trainer.run_root={tmp_path / 'runs'}",
+    ]
     res = ragen(["train", str(CONFIG), *[x for o in sets for x in ("--set", o)]], tmp_path, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = only_run(tmp_path)

@@ -97,7 +97,7 @@ def _decode(hex_address: str, v6: bool) -> str:
     if not v6:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
     # /proc prints an IPv6 address as four host-order 32-bit words
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     address = ipaddress.IPv6Address(words)
     return str(address.ipv4_mapped or address)
 
@@ -156,8 +156,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(args: list[str], state: Path, marker: dict[str, str], extra_env: dict[str, str] | None = None,
-           log_name: str = "cli") -> tuple[object, Path, Path]:
+def launch(
+    args: list[str],
+    state: Path,
+    marker: dict[str, str],
+    extra_env: dict[str, str] | None = None,
+    log_name: str = "cli",
+) -> tuple[object, Path, Path]:
     """Start ``python -m flows.cli ARGS`` in its own session, tagged with ``marker``; nothing is killed
     afterwards (unlike tests.flows.test_train.ragen, whose clean-up would hide what a run leaves).
 
@@ -168,13 +173,21 @@ def launch(args: list[str], state: Path, marker: dict[str, str], extra_env: dict
     from tests.flows.test_train import PREFECT_HOME, ROOT
     from tests.process_env import child_env
 
-    env = child_env(RAGEN_STATE_DIR=str(state), PYTHONUNBUFFERED="1", PREFECT_HOME=str(PREFECT_HOME), **marker)
+    env = child_env(
+        RAGEN_STATE_DIR=str(state), PYTHONUNBUFFERED="1", PREFECT_HOME=str(PREFECT_HOME), **marker
+    )
     env.update(extra_env or {})
     state.mkdir(parents=True, exist_ok=True)
     out_path, err_path = state / f"{log_name}.out", state / f"{log_name}.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     return proc, out_path, err_path
 
 

@@ -56,11 +56,13 @@ def import_seconds() -> float:
         ("model.hidden_size=60", ("model.hidden_size / model.num_heads = 15", "even")),
     ],
 )
-def test_config_error_comes_before_any_work(override: str, needles: tuple[str, ...], tmp_path: Path,
-                                            import_seconds: float) -> None:
+def test_config_error_comes_before_any_work(
+    override: str, needles: tuple[str, ...], tmp_path: Path, import_seconds: float
+) -> None:
     t0 = time.perf_counter()
-    out = ragen(["train", str(CONFIG), "--set", override, "--set", f"trainer.run_root={tmp_path / 'runs'}"],
-                tmp_path)
+    out = ragen(
+        ["train", str(CONFIG), "--set", override, "--set", f"trainer.run_root={tmp_path / 'runs'}"], tmp_path
+    )
     elapsed = time.perf_counter() - t0
     one_clear_line(out, str(CONFIG), *needles, max_lines=2)
     assert elapsed < import_seconds + 10, elapsed
@@ -74,8 +76,12 @@ def test_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
 
 
 def test_unfinished_override_value_names_the_override(tmp_path: Path) -> None:
-    one_clear_line(ragen(["train", str(CONFIG), "--set", "trainer.iterations=[1,"], tmp_path),
-                   "--set trainer.iterations=[1,", "not valid YAML", "quote it")
+    one_clear_line(
+        ragen(["train", str(CONFIG), "--set", "trainer.iterations=[1,"], tmp_path),
+        "--set trainer.iterations=[1,",
+        "not valid YAML",
+        "quote it",
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,7 +92,9 @@ def test_unfinished_override_value_names_the_override(tmp_path: Path) -> None:
         (["evaluate", "RUN", "--engine", "vlm"], "'hf', 'vllm'"),
     ],
 )
-def test_bad_choice_fails_in_parsing_listing_the_choices(args: list[str], choices: str, tmp_path: Path) -> None:
+def test_bad_choice_fails_in_parsing_listing_the_choices(
+    args: list[str], choices: str, tmp_path: Path
+) -> None:
     one_clear_line(ragen(args, tmp_path), f"'{args[-1]}' is not one of {choices}", code=2, max_lines=4)
 
 
@@ -105,11 +113,17 @@ def read_only_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.skip("running as root and /sys is writable: no read-only folder to test with")
 
 
-@pytest.mark.parametrize("args", [["doctor"], ["train"], ["evaluate", "RUN"], ["rerun", "RUN", "--iteration", "1"]])
+@pytest.mark.parametrize(
+    "args", [["doctor"], ["train"], ["evaluate", "RUN"], ["rerun", "RUN", "--iteration", "1"]]
+)
 def test_read_only_state_folder_says_so(args: list[str], read_only_dir: Path, tmp_path: Path) -> None:
     out = ragen(args, tmp_path, extra_env={"RAGEN_STATE_DIR": str(read_only_dir)})
-    one_clear_line(out, f"state folder {read_only_dir} (RAGEN_STATE_DIR) is not writable",
-                   "set RAGEN_STATE_DIR to a writable folder", max_lines=2)
+    one_clear_line(
+        out,
+        f"state folder {read_only_dir} (RAGEN_STATE_DIR) is not writable",
+        "set RAGEN_STATE_DIR to a writable folder",
+        max_lines=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -132,21 +146,27 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 @pytest.mark.parametrize(
     ("args", "needles"),
     [
-        (["evaluate", "{run}@99", "--tags", "Bandit"], ("has no checkpoint at step 99", "it has steps 0-3",
-                                                       "{run}@3")),
-        (["evaluate", "{run}@abc", "--tags", "Bandit"], ("the step 'abc' is not a number", "{run}@STEP",
-                                                        "steps 0-3")),
+        (
+            ["evaluate", "{run}@99", "--tags", "Bandit"],
+            ("has no checkpoint at step 99", "it has steps 0-3", "{run}@3"),
+        ),
+        (
+            ["evaluate", "{run}@abc", "--tags", "Bandit"],
+            ("the step 'abc' is not a number", "{run}@STEP", "steps 0-3"),
+        ),
         (["evaluate", "{run}", "--tags", "Bandit,Sokobn"], ("--tags", "'Sokobn'", "did you mean")),
-        (["rerun", "{run}", "--iteration", "0", "--stage", "learn"], ("iteration 0 has no learn stage",
-                                                                     "iterations start at 1",
-                                                                     "--stage evaluate")),
+        (
+            ["rerun", "{run}", "--iteration", "0", "--stage", "learn"],
+            ("iteration 0 has no learn stage", "iterations start at 1", "--stage evaluate"),
+        ),
         (["rerun", "{run}", "--iteration", "7"], ("iteration 7", "last complete: 3", "--iteration 1..3")),
         (["rerun", "no-such-run", "--iteration", "1"], ("no run 'no-such-run'", "pass the run directory")),
         (["evaluate", "no-such-run@3"], ("no run 'no-such-run'", "pass the run directory")),
     ],
 )
-def test_run_reference_errors_say_what_exists(args: list[str], needles: tuple[str, ...],
-                                              stored_run: tuple[Path, str], tmp_path: Path) -> None:
+def test_run_reference_errors_say_what_exists(
+    args: list[str], needles: tuple[str, ...], stored_run: tuple[Path, str], tmp_path: Path
+) -> None:
     state, run = stored_run
     out = ragen([a.format(run=run) for a in args], tmp_path, extra_env={"RAGEN_STATE_DIR": str(state)})
     text = one_clear_line(out, *(n.format(run=run) for n in needles), max_lines=2)
@@ -156,8 +176,13 @@ def test_run_reference_errors_say_what_exists(args: list[str], needles: tuple[st
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     """The same user error (an unknown tag, raised inside ``demo``): one line, or with ``--debug`` /
     ``RAGEN_DEBUG=1`` the exception with its traceback."""
-    one_clear_line(ragen(["demo", "--tags", "Nope"], tmp_path), "unknown environment tag 'Nope'", "Known tags")
-    for args, env in ((["--debug", "demo", "--tags", "Nope"], {}), (["demo", "--tags", "Nope"], {"RAGEN_DEBUG": "1"})):
+    one_clear_line(
+        ragen(["demo", "--tags", "Nope"], tmp_path), "unknown environment tag 'Nope'", "Known tags"
+    )
+    for args, env in (
+        (["--debug", "demo", "--tags", "Nope"], {}),
+        (["demo", "--tags", "Nope"], {"RAGEN_DEBUG": "1"}),
+    ):
         out = ragen(args, tmp_path, extra_env=env)
         assert out.returncode == 1
         assert "Traceback" in out.stderr and "UnknownEnvError: unknown environment tag 'Nope'" in out.stderr
@@ -194,16 +219,22 @@ def _app(exc: Exception) -> typer.Typer:
 @pytest.mark.parametrize(
     ("exc", "expected"),
     [
-        (RuntimeError("the learner\nexploded"),
-         "internal error: RuntimeError: the learner exploded (rerun with --debug for the traceback)"),
+        (
+            RuntimeError("the learner\nexploded"),
+            "internal error: RuntimeError: the learner exploded (rerun with --debug for the traceback)",
+        ),
         (ThingNotReady("thing is not ready; run `make thing`"), "thing is not ready; run `make thing`"),
         (RagenError("run X has no step 9; it has steps 0-3"), "run X has no step 9; it has steps 0-3"),
-        (PermissionError(errno.EACCES, "Permission denied", "/data/runs/x"),
-         "/data/runs/x: Permission denied; make it writable or set RAGEN_STATE_DIR"),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/data/runs/x"),
+            "/data/runs/x: Permission denied; make it writable or set RAGEN_STATE_DIR",
+        ),
         (OSError(errno.ENOSPC, "No space left on device", "/data/runs/x/ckpt"), "the disk is full"),
     ],
 )
-def test_wrapper_maps_exceptions_to_one_line(exc: Exception, expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wrapper_maps_exceptions_to_one_line(
+    exc: Exception, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("RAGEN_DEBUG", raising=False)
     result = CliRunner().invoke(_app(exc), ["boom"], env={"COLUMNS": "300", "NO_COLOR": "1"})
     assert result.exit_code == 1

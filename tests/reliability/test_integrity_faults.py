@@ -50,7 +50,9 @@ def flip_inside_column(path: Path, column: str) -> None:
     data = path.read_bytes()
     original = pq.read_table(path).column(column)
     rg = pq.ParquetFile(path).metadata.row_group(0)
-    chunk = next(rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema.startswith(column))
+    chunk = next(
+        rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema.startswith(column)
+    )
     start = chunk.dictionary_page_offset or chunk.data_page_offset
     for p in range(start, start + chunk.total_compressed_size - 1):
         damaged = bytearray(data)
@@ -83,7 +85,9 @@ def test_resume_refuses_a_checkpoint_with_flipped_bytes(reference: tuple[Path, P
     assert out.returncode != 0
     error_line(out, f"{weights}: corrupt file", f"delete {run / 'iter_0002' / 'DONE'} and resume")
     assert not (run / "iter_0003" / "DONE").exists()
-    assert (run / "iter_0003" / "checkpoint" / "policy" / "model.safetensors").read_bytes() == trained  # nothing trained
+    assert (
+        run / "iter_0003" / "checkpoint" / "policy" / "model.safetensors"
+    ).read_bytes() == trained  # nothing trained
 
     # The fix the message gives is true: iteration 2 is recomputed (bitwise, on CPU), 3 trains from it.
     (run / "iter_0002" / "DONE").unlink()
@@ -92,7 +96,9 @@ def test_resume_refuses_a_checkpoint_with_flipped_bytes(reference: tuple[Path, P
     assert_bitwise_equal(weights_of(run, 3), weights_of(reference[1], 3))
 
 
-def test_rerun_learn_names_a_rollouts_file_with_flipped_bytes(reference: tuple[Path, Path], tmp_path: Path) -> None:
+def test_rerun_learn_names_a_rollouts_file_with_flipped_bytes(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
     """Before: "learn of iteration 3: DIFFERENT (26 tensors differ)", blaming reproducibility."""
     state, _ = reference
     run = copy_run(reference, tmp_path)
@@ -134,7 +140,9 @@ def test_show_names_a_column_of_the_wrong_type(reference: tuple[Path, Path], tmp
     run = reference[1]
     table = pq.read_table(run / "iter_0001" / "rollouts.parquet")
     i = table.schema.get_field_index("score")
-    text = table.set_column(i, pa.field("score", pa.string()), pa.array([str(v) for v in table.column(i).to_pylist()]))
+    text = table.set_column(
+        i, pa.field("score", pa.string()), pa.array([str(v) for v in table.column(i).to_pylist()])
+    )
     path = tmp_path / "text-score.parquet"
     pq.write_table(text.replace_schema_metadata(table.schema.metadata), path)
     out = ragen(["show", str(path)], tmp_path)

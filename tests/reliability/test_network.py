@@ -54,8 +54,11 @@ def test_ui_refuses_a_port_in_use(taken: str, tmp_path: Path) -> None:
         holder.bind(("127.0.0.1", ports[taken]))
         holder.listen()
         t0 = time.monotonic()
-        out = ragen(["ui", "--mlflow-port", str(ports["mlflow"]), "--prefect-port", str(ports["prefect"])], tmp_path,
-                    timeout=120)
+        out = ragen(
+            ["ui", "--mlflow-port", str(ports["mlflow"]), "--prefect-port", str(ports["prefect"])],
+            tmp_path,
+            timeout=120,
+        )
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert time.monotonic() - t0 < 60  # no server was started and waited for
     error = " ".join(out.stderr.split())

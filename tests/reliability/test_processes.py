@@ -21,8 +21,12 @@ def test_sigkilled_train_leaves_no_process(backend: str, tmp_path: Path) -> None
     """RAGEN_CRASH_AT makes the run SIGKILL itself in iteration 2: its Prefect server (and with
     trainer.backend=ray the GCS, raylet, agents and workers) must be gone within a few seconds."""
     marker = procs.new_marker()
-    proc, out, err = procs.launch(procs.tiny_train_args(tmp_path, f"trainer.backend={backend}"), tmp_path, marker,
-                                  extra_env={"RAGEN_CRASH_AT": "learn:2"})
+    proc, out, err = procs.launch(
+        procs.tiny_train_args(tmp_path, f"trainer.backend={backend}"),
+        tmp_path,
+        marker,
+        extra_env={"RAGEN_CRASH_AT": "learn:2"},
+    )
     try:
         code = proc.wait(timeout=600)
         assert code == -9, out.read_text()[-2000:] + err.read_text()[-3000:]
@@ -39,15 +43,20 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
     server and exits non-zero naming MLflow (before the fix it kept running with Prefect alone)."""
     marker = procs.new_marker()
     mlflow_port, prefect_port = procs.free_port(), procs.free_port()
-    proc, out, err = procs.launch(["ui", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)],
-                                  tmp_path, marker)
+    proc, out, err = procs.launch(
+        ["ui", "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect_port)], tmp_path, marker
+    )
     try:
         deadline = time.monotonic() + 240
         while not ("MLflow UI:" in out.read_text() and "Prefect server:" in out.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text() + err.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                out.read_text() + err.read_text()[-3000:]
+            )
             time.sleep(0.5)
         assert f"http://127.0.0.1:{mlflow_port}" in out.read_text()
-        mlflow = [pid for pid, cmd in procs.tree(marker).items() if "mlflow server" in cmd and pid != proc.pid]
+        mlflow = [
+            pid for pid, cmd in procs.tree(marker).items() if "mlflow server" in cmd and pid != proc.pid
+        ]
         assert mlflow  # the `mlflow server` command `ragen ui` started (its workers go with it)
         for pid in mlflow:
             os.kill(pid, signal.SIGKILL)

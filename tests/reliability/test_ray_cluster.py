@@ -47,9 +47,26 @@ def other_cluster(tmp_path: Path):
     registry = Path(get_ray_address_file(None))
     before = registry.read_text() if registry.is_file() else None
     try:
-        subprocess.run([str(RAY_BIN), "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-                        "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats"],
-                       env=env, check=True, capture_output=True, timeout=180)
+        subprocess.run(
+            [
+                str(RAY_BIN),
+                "start",
+                "--head",
+                "--port",
+                str(port),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--num-cpus",
+                "1",
+                "--include-dashboard",
+                "false",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
         assert registry.read_text().strip().endswith(f":{port}")  # the case of the issue: it is "current"
         yield port, marker
     finally:
@@ -60,7 +77,9 @@ def other_cluster(tmp_path: Path):
             registry.write_text(before)
 
 
-def test_starts_its_own_cluster_next_to_another(no_ray, other_cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_starts_its_own_cluster_next_to_another(
+    no_ray, other_cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Before the fix ray.init() joined the other cluster and failed: "When connecting to an existing
     cluster, num_cpus and num_gpus must not be provided"."""
     other_port, other_marker = other_cluster

@@ -67,7 +67,9 @@ def test_unsafe_run_names_are_refused_before_any_work(name: str, tmp_path: Path)
     """Defect 4: --name ../../escaped wrote the run outside runs/, /abs/path wrote there; a long name
     gave a misleading disk-space message."""
     t0 = time.perf_counter()
-    out = ragen(["train", str(CONFIG), "--name", name, "--set", f"trainer.run_root={tmp_path / 'runs'}"], tmp_path)
+    out = ragen(
+        ["train", str(CONFIG), "--name", name, "--set", f"trainer.run_root={tmp_path / 'runs'}"], tmp_path
+    )
     assert out.returncode == 1
     assert "is not a valid run name" in out.stderr and "letters, digits" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 3
@@ -90,12 +92,20 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path:
     from ragen_core.run_lock import RunLock, RunLockedError
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from ragen_core.run_lock import RunLock; "
-         f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from ragen_core.run_lock import RunLock; "
+            f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with pytest.raises(RunLockedError, match=rf"in use by process {holder.pid} on .*wait for it to finish"):
+        with pytest.raises(
+            RunLockedError, match=rf"in use by process {holder.pid} on .*wait for it to finish"
+        ):
             RunLock(tmp_path).acquire()
     finally:
         holder.kill()  # SIGKILL: the holder cannot clean up; the kernel drops its lock
@@ -104,7 +114,10 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path:
     (tmp_path / "checkpoint.tmp-99999").mkdir()
     with RunLock(tmp_path) as lock:
         assert lock.holder()["pid"] == os.getpid()
-        assert not (tmp_path / ".metrics.json.tmp-99999").exists() and not (tmp_path / "checkpoint.tmp-99999").exists()
+        assert (
+            not (tmp_path / ".metrics.json.tmp-99999").exists()
+            and not (tmp_path / "checkpoint.tmp-99999").exists()
+        )
 
 
 def test_concurrent_resume_through_the_cli_is_refused(tmp_path: Path) -> None:
@@ -132,9 +145,16 @@ def test_resume_extends_a_finished_run_and_refuses_other_changes(tmp_path: Path)
     assert other.returncode == 1 and "cannot resume" in other.stderr and "more)" in other.stderr
     shorter = ragen(["train", "--resume", run.name, "--set", "trainer.iterations=2"], tmp_path)
     assert shorter.returncode == 1 and "already has 3 complete iterations" in shorter.stderr
-    same = ragen(["train", str(CONFIG), "--resume", run.name,
-                  *[x for o in [*TINY, *NO_SFT, f"trainer.run_root={tmp_path / 'runs'}"] for x in ("--set", o)]],
-                 tmp_path)
+    same = ragen(
+        [
+            "train",
+            str(CONFIG),
+            "--resume",
+            run.name,
+            *[x for o in [*TINY, *NO_SFT, f"trainer.run_root={tmp_path / 'runs'}"] for x in ("--set", o)],
+        ],
+        tmp_path,
+    )
     assert same.returncode == 0, same.stderr[-3000:]  # its own config: accepted, nothing to do
     extended = ragen(["train", "--resume", run.name, "--set", "trainer.iterations=5"], tmp_path)
     assert extended.returncode == 0, extended.stderr[-3000:]

@@ -58,13 +58,31 @@ class Server:
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_DROP_PREFIXES)}
         env["MLFLOW_DISABLE_TELEMETRY"] = "true"
-        cmd = [tool("mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-               "--artifacts-destination", str(self.root / "mlartifacts")]
+        cmd = [
+            tool("mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "mlartifacts"),
+        ]
         self.starts += 1
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.root, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.root,
+                env=env,
+                start_new_session=True,
+            )
         wait_healthy(f"{self.uri}/health", self.proc, self.log, "mlflow server")
 
     def signal(self, sig: int) -> None:
@@ -133,8 +151,11 @@ def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Serv
     server.up()
     state = tmp_path / "state"
     iterations = 6
-    sets = [x for o in [*TINY, f"trainer.iterations={iterations}", f"trainer.run_root={state / 'runs'}"]
-            for x in ("--set", o)]
+    sets = [
+        x
+        for o in [*TINY, f"trainer.iterations={iterations}", f"trainer.run_root={state / 'runs'}"]
+        for x in ("--set", o)
+    ]
     env = {"MLFLOW_TRACKING_URI": server.uri}
     killed: dict[str, float] = {}
     finished = threading.Event()
@@ -176,8 +197,10 @@ def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Serv
 
     t1 = time.monotonic()
     resumed = ragen(["train", "--resume", run.name], state, timeout=300, extra_env=env)
-    print(f"run {done - t0:.1f} s (kill -> exit {done - killed['at']:.1f} s), resume {time.monotonic() - t1:.1f} s; "
-          f"steps in MLflow before the resume: {before}")
+    print(
+        f"run {done - t0:.1f} s (kill -> exit {done - killed['at']:.1f} s), resume {time.monotonic() - t1:.1f} s; "
+        f"steps in MLflow before the resume: {before}"
+    )
     print(next(line for line in log.splitlines() if "unreachable since" in line and "--resume" in line))
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-4000:]
@@ -270,9 +293,19 @@ def test_two_first_runs_on_one_fresh_sqlite_store_both_work(tmp_path: Path) -> N
     try:
         for store in stores:
             for who in ("a", "b"):
-                procs.append((store, subprocess.Popen([sys.executable, "-c", RACER, str(store), str(go), who],
-                                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                                      stderr=subprocess.STDOUT, text=True)))
+                procs.append(
+                    (
+                        store,
+                        subprocess.Popen(
+                            [sys.executable, "-c", RACER, str(store), str(go), who],
+                            cwd=tmp_path,
+                            env=env,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
+                            text=True,
+                        ),
+                    )
+                )
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("*.ready"))) < len(procs):
             assert time.monotonic() < deadline, "racers did not start"
