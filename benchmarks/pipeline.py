@@ -139,23 +139,24 @@ def instrument(clock: Clock) -> None:
     import prefect.results
 
     import flows.train as ft
-    from ragen_core import actors, pipeline, stage_record, tracking
+    from ragen_core import actors, run_dir, session, stage_record, stages, tracking
 
     clock.wrap(
-        pipeline.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
+        session.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
     )
     for cls in (actors.LearnerWorker, actors.LearnerGroup):
         clock.wrap(cls, "step", "learner step")
         clock.wrap(cls, "save_checkpoint", "checkpoint save + tokenizer copy")
-    clock.wrap(pipeline.Session, "sync_weights", "weight sync")
-    clock.wrap(pipeline, "to_token_batch", "token batch")
-    clock.wrap(pipeline, "write_table", "Parquet write")
-    clock.wrap(pipeline, "read_table", "Parquet read")
-    clock.wrap(pipeline, "copy_tokenizer", "checkpoint save + tokenizer copy")
-    clock.wrap(pipeline, "atomic_write_text", "JSON / DONE writes (fsync)")
-    clock.wrap(pipeline, "_response_metrics", "response metrics from table")
-    clock.wrap(pipeline.RunDir, "config", "run.config() / run.info()")
-    clock.wrap(pipeline.RunDir, "info", "run.config() / run.info()")
+    clock.wrap(session.Session, "sync_weights", "weight sync")
+    clock.wrap(stages, "to_token_batch", "token batch")
+    clock.wrap(stages, "write_table", "Parquet write")
+    clock.wrap(stages, "read_table", "Parquet read")
+    clock.wrap(stages, "copy_tokenizer", "checkpoint save + tokenizer copy")
+    clock.wrap(stages, "atomic_write_text", "JSON / DONE writes (fsync)")
+    clock.wrap(run_dir, "atomic_write_text", "JSON / DONE writes (fsync)")
+    clock.wrap(stages, "_response_metrics", "response metrics from table")
+    clock.wrap(run_dir.RunDir, "config", "run.config() / run.info()")
+    clock.wrap(run_dir.RunDir, "info", "run.config() / run.info()")
     clock.wrap(stage_record, "load", "stage records (digests)")
     clock.wrap(stage_record, "save", "stage records (digests)")
     clock.wrap(prefect.results.ResultStore, "persist_result_record", "result persistence")
@@ -235,7 +236,8 @@ def bench_config(
 
 def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
     """The SFT warm start of ``cfg``, cached by (model, sft, agent) config; (path, seconds, cached)."""
-    from ragen_core import pipeline
+    from ragen_core.run_dir import RunDir
+    from ragen_core.stages import init_policy_stage
 
     key = hashlib.sha256(
         json.dumps(
@@ -252,9 +254,9 @@ def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
         seconds = json.loads((path / "bench_seconds.json").read_text())["seconds"]
         return path, seconds, True
     tmp = Path(tempfile.mkdtemp(prefix="bench-warm-"))
-    run = pipeline.RunDir(tmp)
+    run = RunDir(tmp)
     t0 = time.perf_counter()
-    pipeline.init_policy_stage(cfg, run)
+    init_policy_stage(cfg, run)
     seconds = time.perf_counter() - t0
     (run.init_policy / "bench_seconds.json").write_text(json.dumps({"seconds": seconds}))
     shutil.rmtree(path, ignore_errors=True)
@@ -265,7 +267,7 @@ def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
 
 
 def new_run(cfg: Any, name: str, init_policy: Path) -> Any:
-    from ragen_core.pipeline import create_run
+    from ragen_core.run_dir import create_run
 
     run = create_run(cfg, name)
     shutil.copytree(init_policy, run.init_policy)
@@ -277,7 +279,7 @@ class Plain:
     """The plain loop's iterations, one call per iteration, on its own live Session."""
 
     def __init__(self, cfg: Any, run: Any, backend: str) -> None:
-        from ragen_core.pipeline import Session
+        from ragen_core.session import Session
 
         t0 = time.perf_counter()
         self.session = Session(cfg, run, backend=backend)
@@ -293,14 +295,14 @@ class Plain:
         import torch
 
         from ragen_core.algorithms import select_groups
-        from ragen_core.pipeline import _sampling, eval_due
+        from ragen_core.stages import eval_due, sampling_params
         from ragen_core.trajectory import to_token_batch
 
         cfg, s = self.cfg, self.session
         c0 = cpu_now()
         t0 = time.perf_counter()
         table, _env_metrics = s.call_worker(
-            "rollout", "train", k - 1, _sampling(cfg, "train"), cfg.trainer.seed, self.run_id
+            "rollout", "train", k - 1, sampling_params(cfg, "train"), cfg.trainer.seed, self.run_id
         )
         t1 = time.perf_counter()
         scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
@@ -315,7 +317,7 @@ class Plain:
         s.at = k
         t4 = time.perf_counter()
         if eval_due(cfg, k):
-            s.call_worker("rollout", "val", 0, _sampling(cfg, "val"), cfg.trainer.seed, self.run_id)
+            s.call_worker("rollout", "val", 0, sampling_params(cfg, "val"), cfg.trainer.seed, self.run_id)
         t5 = time.perf_counter()
         c1 = cpu_now()
         self.times[k] = t5 - t0

@@ -391,9 +391,11 @@ def train(
 
     _prepare()
     from ragen_core.config import DEFAULT_CONFIG, load_config
-    from ragen_core.pipeline import check_resumable, find_run, preflight, run_name
+    from ragen_core.preflight import preflight
     from ragen_core.resume import resume_config
+    from ragen_core.run_dir import find_run, run_name
     from ragen_core.run_lock import RunLock
+    from ragen_core.stages import check_resumable
 
     # Input errors fail here, before Prefect, Ray or a model starts (the command wrapper prints them).
     if resume is None:
@@ -421,7 +423,7 @@ def train(
     )  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
-    from ragen_core.pipeline import RunDir
+    from ragen_core.run_dir import RunDir
 
     run = RunDir(run_dir)
     evals = {p.stem: run.read_json(p) for p in sorted((run_dir / "eval").glob("step_*.json"))}
@@ -518,7 +520,7 @@ def rerun(
     _prepare()
     from flows.rerun import RerunRequest, check_rerun
     from flows.rerun import rerun as rerun_flow
-    from ragen_core.pipeline import find_run
+    from ragen_core.run_dir import find_run
 
     check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))

@@ -16,8 +16,9 @@ from flows.settings import configure_environment
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner import verify_checkpoint
-from ragen_core.pipeline import RunDir, atomic_write_text, check_init_policy, find_run
 from ragen_core.protocol import ProtocolConfig
+from ragen_core.run_dir import RunDir, atomic_write_text, find_run
+from ragen_core.stages import check_init_policy
 from ragen_core.trajectory import write_table
 
 

@@ -4,7 +4,7 @@
 each iteration groups four tasks (rollout -> filter -> learn -> evaluate), as a subflow of its own
 (``trainer.iteration_as: subflow``, the default) or as a parent task run that nests them (``task``:
 no API round trips, for tiny configs whose iterations take a second). The library does the work
-(``ragen_core.pipeline``); this module adds orchestration, caching, retries, tracking and the
+(``ragen_core.stages``); this module adds orchestration, caching, retries, tracking and the
 Echo-Trap monitor. Metrics reach MLflow only after the iteration's ``metrics.json`` and DONE mark
 are on disk (from a background thread, while the next iteration runs; in order, and flushed before
 the run ends), and logging is idempotent per step, so a killed run resumes with no iteration lost,
@@ -27,14 +27,16 @@ from pydantic import BaseModel, Field
 
 from flows.reporting import IterationClock, duration, iteration_line, progress_logger
 from flows.settings import configure_environment
-from ragen_core import pipeline
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
 from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor
-from ragen_core.pipeline import RunDir, Session, create_run, eval_due, find_run, finish_iteration
+from ragen_core.preflight import preflight
 from ragen_core.resume import resume_config
+from ragen_core.run_dir import RunDir, create_run, find_run, run_name
 from ragen_core.run_lock import RunLock
+from ragen_core.session import Session
+from ragen_core.stages import check_resumable, eval_due, finish_iteration, init_policy_stage
 from ragen_core.tracking import BackgroundLog, Tracker
 from ragen_core.trajectory import read_trajectories
 from tasks.stages import (
@@ -82,7 +84,7 @@ def _git_commit() -> str:
 @task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)  # idempotent: it checks the folder
 def warm_start_task(run_root: str) -> str:
     run = RunDir(run_root)
-    return str(pipeline.init_policy_stage(run.config(), run))
+    return str(init_policy_stage(run.config(), run))
 
 
 def run_iteration(run_root: str, k: int) -> dict[str, float]:
@@ -190,7 +192,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         lock = RunLock(run.root).acquire()
         try:
             cfg, changes = resume_config(
-                run.root, run.config(), pipeline.check_resumable(run), request.config, request.overrides
+                run.root, run.config(), check_resumable(run), request.config, request.overrides
             )
         except BaseException:
             lock.release()
@@ -198,8 +200,8 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
     else:
         config = request.config or DEFAULT_CONFIG
         cfg = load_config(config, request.overrides)
-        pipeline.preflight(cfg)
-        name, changes = pipeline.run_name(cfg, request.run_name, config), {}
+        preflight(cfg)
+        name, changes = run_name(cfg, request.run_name, config), {}
     try:
         tracker = Tracker(cfg.tracking, state)  # an unreachable server fails here, before a run folder exists
         if lock is None:

@@ -10,7 +10,7 @@ finished: a stage's stored output is reused when, and only when,
 
 Otherwise the stage runs again and overwrites its own outputs and record. A deleted, truncated or
 edited output is therefore regenerated (the stage is deterministic), never trusted. Digests are
-:func:`ragen_core.pipeline.file_digest` of files or folders. The record is written last, after
+:func:`ragen_core.run_dir.file_digest` of files or folders. The record is written last, after
 every output, so a stage killed half-way has no record and reruns.
 """
 
@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ragen_core.run_dir import atomic_write_text, file_digest
+
 
 def _digest(path: Path) -> str | None:
-    from ragen_core.pipeline import file_digest
-
     if not path.exists():
         return None
     return file_digest(path)
@@ -54,8 +54,6 @@ def save(
     extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the record of a stage that has just written ``outputs`` from ``inputs``."""
-    from ragen_core.pipeline import atomic_write_text
-
     base = record.parent.parent
     data = {
         "inputs": {name: _digest(p) for name, p in inputs.items()},

@@ -1,4 +1,4 @@
-"""Prefect tasks: thin wrappers over ``ragen_core.pipeline`` stages.
+"""Prefect tasks: thin wrappers over the stages of ``ragen_core.stages``.
 
 Tasks take the run directory and an iteration and return paths and small metric dicts. They keep
 no Prefect cache and persist no result: whether a stage's stored output can be reused is decided
@@ -15,8 +15,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ragen_core import pipeline
-from ragen_core.pipeline import RunDir, Session
+from ragen_core import stages
+from ragen_core.run_dir import RunDir
+from ragen_core.session import Session
 
 _SESSIONS: dict[str, Session] = {}
 
@@ -59,14 +60,14 @@ STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
 def rollout_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)
-    path, metrics = pipeline.rollout_stage(session.cfg, run, k, session)
+    path, metrics = stages.rollout_stage(session.cfg, run, k, session)
     return {"path": str(path), "metrics": metrics}
 
 
 @task(name="filter", **STAGE)
 def filter_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
-    kept, metrics = pipeline.filter_stage(session_for(run).cfg, run, k)
+    kept, metrics = stages.filter_stage(session_for(run).cfg, run, k)
     return {"kept": kept, "metrics": metrics}
 
 
@@ -74,7 +75,7 @@ def filter_task(run_root: str, k: int) -> dict[str, Any]:
 def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)
-    metrics = pipeline.learn_stage(session.cfg, run, k, session, kept)
+    metrics = stages.learn_stage(session.cfg, run, k, session, kept)
     return {"path": str(run.checkpoint(k)), "metrics": metrics}
 
 
@@ -82,5 +83,5 @@ def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
 def evaluate_task(run_root: str, step: int) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)
-    path, metrics = pipeline.evaluate_stage(session.cfg, run, step, session)
+    path, metrics = stages.evaluate_stage(session.cfg, run, step, session)
     return {"path": str(path), "metrics": metrics}

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from flows.sweep import SweepRequest, run_sweep
 from flows.train import TrainRequest
 from ragen_core.monitor import MonitorConfig, detect
-from ragen_core.pipeline import RunDir
+from ragen_core.run_dir import RunDir
 from ragen_core.sweep import (
     ERROR_TAG,
     GROUP_TAG,

@@ -214,7 +214,8 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
     iteration 2 the run rolls back to iteration 1's state, and at 3 it stops (one rollback allowed).
     The rollback is a record of its own; no stored iteration is rewritten, so every stage of every
     stored iteration reruns identical, iteration 3's learn stage from iteration 1's state."""
-    from ragen_core.pipeline import RunDir, rerun_stage
+    from ragen_core.rerun import rerun_stage
+    from ragen_core.run_dir import RunDir
 
     monitor = (
         "monitor.action=rollback",

@@ -131,7 +131,7 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A run directory as training leaves it after 3 iterations (the policies' weights are not
     needed: every check here comes before a model loads). Returns (state folder, run id)."""
     from ragen_core.config import dump_config, load_config
-    from ragen_core.pipeline import RunDir
+    from ragen_core.run_dir import RunDir
 
     state = tmp_path_factory.mktemp("state")
     run = RunDir(state / "runs" / "bandit-tiny-0123abcd-ef4567")

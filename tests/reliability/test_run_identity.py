@@ -79,7 +79,7 @@ def test_unsafe_run_names_are_refused_before_any_work(name: str, tmp_path: Path)
 
 
 def test_run_name_check_in_the_library() -> None:
-    from ragen_core.pipeline import RunNameError, check_run_name
+    from ragen_core.run_dir import RunNameError, check_run_name
 
     assert check_run_name("bandit-tiny_v1.2") == "bandit-tiny_v1.2"
     for bad in ("..", "../x", "x/y", "", "-x", "a" * 65, "é"):

@@ -1,4 +1,4 @@
-"""Pipeline stages and Prefect task caching at tiny scale (in-process session, real files)."""
+"""The stages of an iteration, the run directory and the session at tiny scale (in-process session, real files)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,16 @@ import pytest
 
 from ragen_core.config import load_config
 from ragen_core.integrity import record
-from ragen_core.pipeline import PreflightError, RunDir, Session, create_run, init_policy_stage, preflight
+from ragen_core.preflight import PreflightError, preflight
+from ragen_core.run_dir import RunDir, create_run
+from ragen_core.session import Session
+from ragen_core.stages import init_policy_stage
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
+#: Prefect's test server gets 30 s to start by default; with the suite's two workers busy on 2 cores
+#: it took longer (twice "Timed out while attempting to connect to ephemeral Prefect API server")
+STARTUP_S = 180
 
 
 TINY = [
@@ -69,7 +75,7 @@ def test_iteration_reuses_only_intact_stage_outputs_of_its_own_run(tmp_path: Pat
     register_session(run, session)
     learner = session.learner.learner
     try:
-        with prefect_test_harness():
+        with prefect_test_harness(server_startup_timeout=STARTUP_S):
             iteration_flow(str(run.root), 1)
             assert learner.global_step == 1 and RunDir(run.root).last_complete() == 1
             stored = run.rollouts(1).read_bytes()
@@ -105,7 +111,7 @@ def test_a_second_run_of_the_same_config_reuses_nothing_of_the_first(tmp_path: P
 
     cfg = load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}", "sft=null"])
     runs = []
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=STARTUP_S):
         for _ in range(2):
             run = create_run(cfg, "twice")
             init_policy_stage(cfg, run)
@@ -137,25 +143,25 @@ def test_file_digest_follows_content_and_skips_rehashing(
 ) -> None:
     import os
 
-    from ragen_core import pipeline
+    from ragen_core import run_dir
 
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "a.bin").write_bytes(b"x" * 100)
     (d / "big.bin").write_bytes(b"y" * 300)
-    monkeypatch.setattr(pipeline, "DIGEST_BY_STAT_BYTES", 200)  # big.bin is identified by stat
-    first = pipeline.file_digest(d)
+    monkeypatch.setattr(run_dir, "DIGEST_BY_STAT_BYTES", 200)  # big.bin is identified by stat
+    first = run_dir.file_digest(d)
     reads = []
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or real(self))
-    assert pipeline.file_digest(d) == first and reads == []  # memoised: nothing read again
+    assert run_dir.file_digest(d) == first and reads == []  # memoised: nothing read again
     (d / "a.bin").write_bytes(b"z" * 100)  # same size, new content
-    assert pipeline.file_digest(d) != first and reads == ["a.bin"]
-    second = pipeline.file_digest(d)
+    assert run_dir.file_digest(d) != first and reads == ["a.bin"]
+    second = run_dir.file_digest(d)
     st = (d / "big.bin").stat()
     (d / "big.bin").write_bytes(b"w" * 300)  # a large file rewritten: new mtime, new digest
     os.utime(d / "big.bin", ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
-    assert pipeline.file_digest(d) != second
+    assert run_dir.file_digest(d) != second
     assert "big.bin" not in reads  # never read: identified by (size, mtime)
 
 
@@ -164,7 +170,8 @@ def test_file_digest_follows_content_and_skips_rehashing(
 
 def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     from ragen_core.integrity import CorruptFileError, recorded
-    from ragen_core.pipeline import RunFileError, atomic_write_text, finish_iteration
+    from ragen_core.run_dir import RunFileError, atomic_write_text
+    from ragen_core.stages import finish_iteration
 
     run = RunDir(tmp_path / "run")
     run.update_info(run_id="r")
@@ -196,7 +203,7 @@ def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) 
 def test_config_yaml_damage_is_named(tmp_path: Path) -> None:
     from ragen_core.config import dump_config
     from ragen_core.integrity import CorruptFileError
-    from ragen_core.pipeline import RunFileError
+    from ragen_core.run_dir import RunFileError
 
     run = RunDir(tmp_path / "run")
     cfg = load_config(overrides=TINY)
@@ -217,7 +224,7 @@ def test_a_full_disk_names_the_json_file(tmp_path: Path, monkeypatch: pytest.Mon
     import errno
     import os
 
-    from ragen_core.pipeline import atomic_write_text
+    from ragen_core.run_dir import atomic_write_text
     from ragen_core.storage import StorageWriteError
 
     def no_space(fd: int) -> None:
@@ -259,7 +266,7 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
     float32 engine's is ~1e-6, see test_runner) and small."""
     import torch
 
-    from ragen_core.pipeline import filter_stage, learn_stage, rollout_stage
+    from ragen_core.stages import filter_stage, learn_stage, rollout_stage
 
     cfg = load_config(
         overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1", f"trainer.run_root={tmp_path}"]

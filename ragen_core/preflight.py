@@ -1,0 +1,71 @@
+"""Checks that need the machine, made before a run folder exists: the rollout engine, devices, the
+run root and its free disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ragen_core.config import RagenConfig
+from ragen_core.state_folder import state_dir
+from ragen_core.storage import existing_ancestor
+
+
+class PreflightError(ValueError):
+    """The config cannot run on this machine; the message says what to change."""
+
+
+def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
+    """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
+    import shutil
+    import subprocess
+
+    problems = []
+    if cfg.rollout.engine == "vllm":
+        from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, cpu_head_size_problem
+
+        try:
+            check_vllm()
+        except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
+            problems.append(f"rollout.engine=vllm: {exc}")
+        m = cfg.model  # a tiny model is built from these; a saved one is checked when its engine starts
+        problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if m.builds_tiny else None
+        if problem:
+            problems.append(f"rollout.engine=vllm: {problem}")
+    if cfg.model.imported is not None:
+        from ragen_core.models import ModelNotFoundError
+
+        try:
+            cfg.model.source()
+        except ModelNotFoundError as exc:
+            problems.append(str(exc))
+    remote = bool(os.environ.get("RAY_ADDRESS"))
+    if not remote and not torch.cuda.is_available():
+        if cfg.learner.num_gpus > 0:
+            problems.append(
+                f"learner.num_gpus={cfg.learner.num_gpus} but this machine has no GPU; "
+                "--set learner.num_gpus=0 (or set RAY_ADDRESS to a cluster with GPUs)"
+            )
+        if cfg.trainer.rollout_gpus > 0:
+            problems.append(
+                f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
+                "--set trainer.rollout_gpus=0"
+            )
+    root = Path(cfg.trainer.run_root or state_dir() / "runs")
+    probe = existing_ancestor(root)
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        problems.append(
+            f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
+            "--set trainer.run_root"
+        )
+    else:
+        free_gb = shutil.disk_usage(probe).free / 2**30
+        if free_gb < min_free_gb:
+            problems.append(
+                f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
+                f"more than {min_free_gb} GiB); free space or choose another run root"
+            )
+    if problems:
+        raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))

@@ -1,0 +1,118 @@
+"""A training session: the rollout worker and the learner(s) of one run, in-process or as Ray actors,
+kept alive across iterations; it knows which iteration's state they hold."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ragen_core.config import RagenConfig
+from ragen_core.run_dir import RunDir, atomic_write_text
+
+
+class Session:
+    """The live parts of a run: a rollout worker and a learner (group), kept across iterations.
+
+    ``backend="ray"`` runs them as Ray actors (resources from the config); ``"local"`` keeps them
+    in this process (tests, debugging, the overhead baseline). Weights go from the learner to the
+    rollout worker after every learner step; ``at`` records which iteration's weights they hold.
+    """
+
+    def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
+        from ragen_core.actors import LearnerGroup, LearnerWorker, init_ray
+        from ragen_core.rollout.worker import RolloutActor, RolloutWorker
+
+        self.cfg, self.run, self.backend = cfg, run, backend
+        worker_args = (
+            str(run.init_policy),
+            cfg.agent.model_dump(),
+            cfg.train.model_dump(),
+            cfg.val.model_dump(),
+            cfg.rollout.engine,
+            cfg.rollout.max_batch_size,
+            cfg.rollout.max_model_len,
+            cfg.trainer.rollout_threads,
+            engine_options(cfg),
+            rollout_dtype(cfg),
+        )
+        if backend == "ray":
+            init_ray()
+            self.worker = RolloutActor.options(
+                num_cpus=cfg.trainer.rollout_cpus, num_gpus=cfg.trainer.rollout_gpus
+            ).remote(*worker_args)
+            self.learner: Any = LearnerGroup(
+                cfg.learner, str(run.init_policy), world_size=cfg.trainer.learners
+            )
+        elif backend == "local":
+            self.worker = RolloutWorker(*worker_args)
+            self.learner = LearnerWorker(cfg.learner, str(run.init_policy))
+            self.learner.build()
+        else:
+            raise ValueError(f"unknown backend {backend!r}; use 'ray' or 'local'")
+        self.at = 0
+        if not (run.checkpoint(0) / "manifest.json").exists():  # so that restore(0) can undo steps
+            self.learner.save_checkpoint(str(run.checkpoint(0)), 0)
+
+    def call_worker(self, method: str, *args: Any) -> Any:
+        if self.backend == "ray":
+            import ray
+
+            return ray.get(getattr(self.worker, method).remote(*args))
+        return getattr(self.worker, method)(*args)
+
+    def sync_weights(self) -> None:
+        weights = self.learner.get_weights()
+        self.call_worker("update_weights", weights)
+
+    def restore(self, k: int) -> None:
+        """Put the learner and the rollout worker at the state after iteration ``k``."""
+        if k == self.at:
+            return
+        self.learner.load_checkpoint(str(self.run.checkpoint(k)))
+        self.call_worker("load_weights_from", str(self.run.policy_after(k)))
+        self.at = k
+
+    def roll_back(self, k: int, to: int, signals: Sequence[str]) -> Path:
+        """After iteration ``k``, continue from the state after iteration ``to`` (an Echo-Trap
+        rollback). Recorded in ``rollbacks/after_<k>.json``, which :meth:`RunDir.start_of` reads;
+        iteration ``k``'s own checkpoint stays as it was trained."""
+        if not 0 <= to < k:
+            raise ValueError(f"a rollback after iteration {k} must go back to an earlier one, not {to}")
+        self.restore(to)
+        path = self.run.rollback_file(k)
+        atomic_write_text(
+            path, json.dumps({"after": k, "to": to, "signals": list(signals), "at": time.time()}, indent=1)
+        )
+        return path
+
+    def close(self) -> None:
+        if self.backend == "ray":
+            import ray
+
+            self.learner.shutdown()
+            with contextlib.suppress(Exception):  # stops a vLLM child; a dead actor has none left
+                ray.get(self.worker.close.remote(), timeout=60)
+            ray.kill(self.worker)
+        else:
+            self.learner.close()
+            self.worker.close()
+
+
+def rollout_dtype(cfg: RagenConfig) -> str:
+    """The dtype the rollout engine holds the weights in: ``rollout.dtype``, else ``model.dtype``."""
+    return cfg.rollout.dtype or cfg.model.dtype
+
+
+def engine_options(cfg: RagenConfig) -> dict[str, Any]:
+    """The vLLM engine's settings from a config (unused by the ``hf`` engine)."""
+    return {
+        "dtype": rollout_dtype(cfg),
+        "gpu_memory_utilization": cfg.rollout.gpu_memory_utilization,
+        "enforce_eager": cfg.rollout.enforce_eager,
+        "tensor_parallel_size": cfg.rollout.tensor_parallel_size,
+        "seed": cfg.trainer.seed,
+    }

@@ -1,0 +1,230 @@
+"""The stages of an iteration as plain functions over a run directory (the Prefect tasks of
+``tasks/stages.py`` wrap them): warm start, rollout, filter, learn, evaluate, finish.
+
+A stage reuses its stored output only when its record says the output is intact and was made from
+the same inputs (``ragen_core.stage_record``); otherwise it runs again."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from ragen_core import stage_record
+from ragen_core.algorithms import group_std_stats, select_groups
+from ragen_core.config import RagenConfig
+from ragen_core.faults import crash_point
+from ragen_core.integrity import record_tree, verify_tree
+from ragen_core.run_dir import RunDir, atomic_write_text, copy_tokenizer
+from ragen_core.session import Session
+from ragen_core.storage import as_os_error, write_error
+from ragen_core.trajectory import read_table, to_token_batch, write_table
+
+
+def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
+    """The starting policy in ``<run>/init_policy``: the configured model, warm-started by SFT if set.
+
+    Written to a temporary folder and renamed, so a killed warm start leaves nothing half-made.
+    """
+    import shutil
+
+    from ragen_core.models import policy_from_config, save_policy
+    from ragen_core.sft import warm_start
+
+    if (run.init_policy / "config.json").exists():
+        check_init_policy(run)
+        return run.init_policy
+    tmp = run.root / f".init_policy.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if cfg.sft is not None:
+            warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
+        else:
+            model, tokenizer = policy_from_config(cfg.model)
+            save_policy(model, tokenizer, tmp)
+        record_tree(tmp)  # inside the folder, before the rename: the digests travel with it
+        os.replace(tmp, run.init_policy)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = as_os_error(exc, run.init_policy)
+        if os_error is None:
+            raise
+        raise write_error(run.init_policy, os_error, "the starting policy") from exc
+    return run.init_policy
+
+
+def check_init_policy(run: RunDir) -> None:
+    """Verify ``<run>/init_policy`` against its ``SHA256SUMS`` before a learner or a rollout worker
+    loads it (runs from before digests have none and pass)."""
+    verify_tree(
+        run.init_policy,
+        fix="Restore the folder from a copy, or start a new run: every iteration of "
+        "this run was trained from it",
+    )
+
+
+def check_resumable(run: RunDir) -> int:
+    """What a resume starts from, checked before anything is started or written: every complete
+    iteration's metrics (re-logged to MLflow) and the state after the last one. Returns that
+    iteration; a damaged file raises naming it."""
+    from ragen_core.learner import verify_checkpoint
+
+    last = run.last_complete()
+    for k in range(1, last + 1):
+        run.read_json(run.metrics_file(k))
+    start = run.start_of(last + 1)
+    if start > 0:
+        verify_checkpoint(run.checkpoint(start))
+    elif run.init_policy.exists():
+        check_init_policy(run)
+    return last
+
+
+def sampling_params(cfg: RagenConfig, split: str) -> dict[str, Any]:
+    r = cfg.rollout
+    temperature = r.temperature if split == "train" else r.val_temperature
+    return {
+        "temperature": temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "max_new_tokens": r.max_new_tokens,
+    }
+
+
+def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int = 1) -> tuple[pa.Table, dict]:
+    """One episode per env of ``split`` with the session's current policy: iteration ``k``'s train
+    seeds, or the fixed validation seeds. Shared by the stages and their reruns."""
+    iteration = k - 1 if split == "train" else 0
+    return session.call_worker(
+        "rollout",
+        split,
+        iteration,
+        sampling_params(cfg, split),
+        cfg.trainer.seed,
+        run.info().get("run_id", ""),
+    )
+
+
+def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
+    masks = table.column("loss_mask").to_pylist()
+    lengths = [sum(m) for m in masks]
+    infos = [json.loads(s) for s in table.column("info").to_pylist()]
+    n = max(len(lengths), 1)
+    return {
+        f"{prefix}response_length/mean": sum(lengths) / n,
+        f"{prefix}response_length/max": float(max(lengths, default=0)),
+        f"{prefix}response_length/clip_ratio": sum(1 for i in infos if i.get("response_truncated")) / n,
+        f"{prefix}score/mean": sum(table.column("score").to_pylist()) / n,
+    }
+
+
+def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
+    """Iteration ``k``'s train rollouts with the policy it starts from (after ``k - 1`` iterations, or
+    where a rollback went back to: :meth:`RunDir.start_of`).
+
+    Reuses this run's stored rollouts when they are intact and were played by the same policy
+    (``ragen_core.stage_record``), so a resumed iteration does not play again."""
+    start = run.start_of(k)
+    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(start)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return run.rollouts(k), stored["metrics"]
+    session.restore(start)
+    t0 = time.perf_counter()
+    table, env_metrics = play(cfg, run, session, "train", k)
+    crash_point("rollout", k)
+    path = write_table(table, run.rollouts(k))
+    seconds = time.perf_counter() - t0
+    tokens = sum(sum(m) for m in table.column("loss_mask").to_pylist())
+    metrics = {f"train/{key}": v for key, v in env_metrics.items()}
+    metrics.update(_response_metrics(table, ""))
+    metrics.update({"timing_s/gen": seconds, "perf/rollout_tokens_per_s": tokens / max(seconds, 1e-9)})
+    stage_record.save(record, inputs, [path], metrics)
+    return path, metrics
+
+
+def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict[str, float]]:
+    """StarPO-S: keep whole groups with the largest in-group score std (``rollout.filter_ratio`` of
+    them); writes the kept rows and the group statistics to the iteration's ``filter.json``."""
+    rollouts, out = run.rollouts(k), run.filter_file(k)
+    record, inputs = run.stage_record("filter", k), {"rollouts": rollouts}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return stored["extra"]["kept_rows"], stored["metrics"]
+    table = read_table(rollouts)
+    scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
+    groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
+    r = cfg.rollout
+    keep = select_groups(scores, groups, r.filter_ratio, mode=r.filter_type)
+    kept = torch.nonzero(keep).flatten().tolist()
+    before, after = group_std_stats(scores, groups), group_std_stats(scores[keep], groups[keep])
+    metrics = {f"rollout/{k}": float(v) for k, v in before.items()}
+    metrics.update({f"rollout/chosen_{k}": float(v) for k, v in after.items()})
+    metrics["rollout/kept_trajectories"] = float(len(kept))
+    atomic_write_text(out, json.dumps({"kept_rows": kept, "metrics": metrics}, indent=1))
+    stage_record.save(record, inputs, [out], metrics, {"kept_rows": kept})
+    return kept, metrics
+
+
+def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: list[int]) -> dict[str, float]:
+    """One learner step on the kept trajectories; saves the checkpoint of iteration ``k``."""
+    rollouts = run.rollouts(k)
+    record = run.stage_record("learn", k)
+    start = run.start_of(k)
+    inputs = {"state": run.checkpoint(start), "rollouts": rollouts, "filter": run.filter_file(k)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return stored["metrics"]
+    session.restore(start)
+    table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
+    t0 = time.perf_counter()
+    metrics = session.learner.step(to_token_batch(table))
+    metrics["timing_s/update"] = time.perf_counter() - t0
+    crash_point("learn", k)
+    t0 = time.perf_counter()
+    session.learner.save_checkpoint(str(run.checkpoint(k)), k)
+    copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
+    metrics["timing_s/checkpoint"] = time.perf_counter() - t0
+    session.sync_weights()
+    session.at = k
+    stage_record.save(record, inputs, [run.checkpoint(k)], metrics)
+    return metrics
+
+
+def evaluate_stage(
+    cfg: RagenConfig, run: RunDir, step: int, session: Session
+) -> tuple[Path, dict[str, float]]:
+    """Validation rollouts (fixed seeds, validation temperature) of the policy after ``step`` iterations."""
+    record, inputs = run.stage_record("evaluate", step), {"policy": run.policy_after(step)}
+    stored = stage_record.load(record, inputs)
+    if stored is not None:
+        return run.eval_file(step), stored["metrics"]
+    session.restore(step)
+    t0 = time.perf_counter()
+    table, env_metrics = play(cfg, run, session, "val")
+    path = write_table(table, run.eval_file(step))
+    metrics = {f"val-env/{key}": v for key, v in env_metrics.items()}
+    metrics.update(_response_metrics(table, "val/"))
+    metrics["timing_s/testing"] = time.perf_counter() - t0
+    atomic_write_text(run.eval_metrics_file(step), json.dumps(metrics, indent=1, sort_keys=True))
+    stage_record.save(record, inputs, [path, run.eval_metrics_file(step)], metrics)
+    return path, metrics
+
+
+def eval_due(cfg: RagenConfig, step: int) -> bool:
+    t = cfg.trainer
+    if step == 0:
+        return t.val_before_train
+    return step == t.iterations or (t.eval_every > 0 and step % t.eval_every == 0)
+
+
+def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:
+    atomic_write_text(run.metrics_file(k), json.dumps(dict(metrics), indent=1, sort_keys=True))
+    # The empty mark carries no data to corrupt: one SHA256SUMS rewrite (and fsync) less per iteration.
+    atomic_write_text(run.done_file(k), "", record_digest=False)
