@@ -21,7 +21,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: setup vllm run demo test test-fast lint bench models
+.PHONY: setup vllm run demo test test-fast lint typecheck bench models
 
 setup: $(STAMP)
 
@@ -55,7 +55,11 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) models
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	@# the type check (1-2 min cold, mostly reading torch's stubs) runs beside the suite's first tests
+	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
+	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
+	wait $$typecheck; types=$$?; echo "== make typecheck"; cat $(VENV)/typecheck.log; \
+	exit $$(( tests || types ))
 
 # The unit tier while editing: no vLLM, no servers, no training runs (modules marked slow); about
 # 2 minutes. `make test` stays the whole suite.
@@ -67,6 +71,10 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# Strict types on ragen_core/algorithms and ragen_core/learner.py (config: [tool.mypy] in pyproject.toml).
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 # gym-sokoban is a benchmark-only reference (not a dependency): --no-deps, as only its
 # room_utils.py is loaded; when already installed, pip does nothing (no index lookup).

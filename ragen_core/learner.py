@@ -38,10 +38,10 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 import safetensors.torch
@@ -69,6 +69,11 @@ from ragen_core.faults import crash_point
 from ragen_core.integrity import sha256_file
 from ragen_core.storage import as_os_error, write_error
 
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 __all__ = [
     "AlgorithmConfig",
     "BadBatchError",
@@ -82,6 +87,8 @@ __all__ = [
     "seed_everything",
     "verify_checkpoint",
 ]
+
+_T = TypeVar("_T")
 
 CHECKPOINT_FORMAT = 1
 _MANIFEST = "manifest.json"
@@ -269,8 +276,8 @@ class LearnerConfig(BaseModel):
 def _backbone(model: nn.Module) -> nn.Module:
     """The transformer body (no LM head) of a causal LM, also through a peft wrapper."""
     if hasattr(model, "get_base_model"):  # peft
-        model = model.get_base_model()
-    return model.base_model
+        model = cast("PeftModel", model).get_base_model()
+    return cast("PreTrainedModel", model).base_model
 
 
 class ValueModel(nn.Module):
@@ -311,7 +318,7 @@ class ValueModel(nn.Module):
                 hidden = self._shared_backbone[0](input_ids=input_ids, use_cache=False).last_hidden_state
         else:
             hidden = self.backbone(input_ids=input_ids, use_cache=False).last_hidden_state
-        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        return cast(torch.Tensor, self.head(hidden.to(self.head.weight.dtype)).squeeze(-1))
 
 
 #: Decoder families whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
@@ -454,7 +461,7 @@ class Learner:
 
     def _build_critic(self, policy: nn.Module) -> ValueModel:
         opt = self.cfg.optim
-        hidden = policy.config.hidden_size
+        hidden: int = cast("PreTrainedModel", policy).config.hidden_size
         init_std = float(getattr(policy.config, "initializer_range", 0.02))
         if opt.critic == "shared_backbone":
             return ValueModel(_backbone(policy), hidden, shared=True, seed=self.cfg.seed, init_std=init_std)
@@ -491,7 +498,7 @@ class Learner:
 
     # ---------------------------------------------------------------- forward passes
 
-    def _autocast(self):
+    def _autocast(self) -> torch.autocast | nullcontext[None]:
         if self.device.type == "cuda" and self.cfg.bf16_autocast_on_gpu:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
@@ -499,7 +506,7 @@ class Learner:
     @contextmanager
     def _ref_policy(self) -> Iterator[nn.Module]:
         if self.lora:
-            with self.policy.disable_adapter():
+            with cast("PeftModel", self.policy).disable_adapter():
                 yield self.policy
         else:
             assert self.ref is not None
@@ -525,7 +532,7 @@ class Learner:
         with self._autocast():
             if _model_type(model) in _HEAD_ONLY_ON_MASK:
                 hidden = _backbone(model)(input_ids=input_ids, use_cache=False).last_hidden_state
-                logits = model.get_output_embeddings()(hidden[:, :-1][targets])
+                logits = cast("PreTrainedModel", model).get_output_embeddings()(hidden[:, :-1][targets])
             else:
                 logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][targets]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -547,7 +554,12 @@ class Learner:
 
     @torch.no_grad()
     def _infer(
-        self, fn, input_ids: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype
+        self,
+        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        lengths: torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         """Run ``fn(ids, mask) -> (b, l)`` over this rank's share of the rows in micro-batches; all-reduce."""
         batch, length = input_ids.shape
@@ -635,8 +647,12 @@ class Learner:
                 raise BadBatchError(f"non-finite reward (turn_scores) in trajectories {rows}")
 
     def _vocab_size(self) -> int | None:
-        emb = self.policy.get_input_embeddings() if hasattr(self.policy, "get_input_embeddings") else None
-        return int(emb.weight.shape[0]) if emb is not None else None
+        emb = (
+            cast("PreTrainedModel", self.policy).get_input_embeddings()
+            if hasattr(self.policy, "get_input_embeddings")
+            else None
+        )
+        return int(cast(torch.Tensor, emb.weight).shape[0]) if emb is not None else None
 
     # ---------------------------------------------------------------- rewards and advantages
 
@@ -950,11 +966,12 @@ class Learner:
                 bucket.append(p)
                 size += p.numel()
             if bucket and (p is None or size >= bucket_elems):
-                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                flat = torch.cat([cast(torch.Tensor, q.grad).reshape(-1) for q in bucket])  # grads set above
                 dist.all_reduce(flat)
                 offset = 0
                 for q in bucket:
-                    q.grad.copy_(flat[offset : offset + q.numel()].view_as(q.grad))
+                    grad = cast(torch.Tensor, q.grad)
+                    grad.copy_(flat[offset : offset + q.numel()].view_as(grad))
                     offset += q.numel()
                 bucket, size = [], 0
 
@@ -1015,7 +1032,10 @@ class Learner:
         if ref_logp is not None:
             out["rollout/ref_log_prob"] = float(masked_mean(ref_logp, maskf))
         if self.cfg.algorithm.use_kl_in_reward:
-            kl = kl_penalty(data["old_logp"], ref_logp, self.cfg.algorithm.kl_in_reward_type)
+            # use_kl_in_reward implies use_ref: ref_logp is set
+            kl = kl_penalty(
+                data["old_logp"], cast(torch.Tensor, ref_logp), self.cfg.algorithm.kl_in_reward_type
+            )
             out["actor/reward_kl_penalty"] = float(masked_mean(kl, maskf))
             out["actor/reward_kl_penalty_coeff"] = self.cfg.algorithm.kl_coef
         rollout_logp = getattr(batch, "rollout_logprobs", None)
@@ -1039,12 +1059,17 @@ class Learner:
             return {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
         from peft.tuners.lora import LoraLayer
 
-        base = self.policy.get_base_model()
+        base = cast("PeftModel", self.policy).get_base_model()
         out: dict[str, torch.Tensor] = {}
         for name, module in base.named_modules():
             if isinstance(module, LoraLayer):
-                weight = module.get_base_layer().weight.detach()
-                delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+                weight = cast(torch.Tensor, module.get_base_layer().weight).detach()
+                # peft defines get_delta_weight on each concrete LoraLayer (Linear, ...), not the base
+                delta = sum(
+                    module.get_delta_weight(a)  # type: ignore[attr-defined]
+                    for a in module.active_adapters
+                    if a in module.lora_A
+                )
                 out[f"{name}.weight"] = (weight + delta).cpu().clone()
                 bias = getattr(module.get_base_layer(), "bias", None)
                 if bias is not None:
@@ -1078,7 +1103,7 @@ class Learner:
             text = ";".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(module.state_dict().items()))
             return hashlib.sha256(text.encode()).hexdigest()
 
-        base = self.policy.get_base_model() if self.lora else self.policy
+        base = cast("PeftModel", self.policy).get_base_model() if self.lora else self.policy
         return {
             "architecture": type(base).__name__,
             "model_type": cfg_dict.get("model_type"),
@@ -1107,7 +1132,9 @@ class Learner:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
-            self.policy.save_pretrained(str(tmp / "policy"), safe_serialization=True)
+            cast("PreTrainedModel | PeftModel", self.policy).save_pretrained(
+                str(tmp / "policy"), safe_serialization=True
+            )
             if self.critic is not None:
                 safetensors.torch.save_model(self.critic, str(tmp / "critic.safetensors"))
             optim_state = {
@@ -1203,12 +1230,15 @@ class Learner:
             else:
                 _load_into(self.policy, policy_sd)
             if self.critic is not None:
-                _load_into(self.critic, critic_sd)
+                _load_into(self.critic, cast("dict[str, torch.Tensor]", critic_sd))  # read above
         self.actor_optim.load_state_dict(optim_state["actor_optim"])
         self.actor_sched.load_state_dict(optim_state["actor_sched"])
         if self.critic_optim is not None:
             self.critic_optim.load_state_dict(optim_state["critic_optim"])
-            self.critic_sched.load_state_dict(optim_state["critic_sched"])
+            # built with critic_optim
+            cast(torch.optim.lr_scheduler.LRScheduler, self.critic_sched).load_state_dict(
+                optim_state["critic_sched"]
+            )
         self.global_step = int(optim_state["global_step"])
         self.skipped_steps = int(optim_state["skipped_steps"])
         _set_rng_state(rng)
@@ -1301,7 +1331,7 @@ def _checkpoint_repair(path: Path) -> str:
     return f"Restore {path} from a copy, or start a new run"
 
 
-def _read_file(f: Path, read: Any, checkpoint: Path) -> Any:
+def _read_file(f: Path, read: Callable[[Path], _T], checkpoint: Path) -> _T:
     """``read(f)``, with any failure raised as ``CheckpointError`` naming ``f``."""
     try:
         return read(f)
@@ -1358,7 +1388,8 @@ def _check_optim(optim: torch.optim.Optimizer, state: dict[str, Any] | None, nam
 
 
 def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    # numpy's stub picks the dict overload for the default legacy=True, which returns this tuple
+    np_state = cast("tuple[str, NDArray[np.uint32], int, int, float]", np.random.get_state())
     py_state = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state(),
