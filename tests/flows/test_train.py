@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 # One Prefect home for every run of this module: its database is created once (~10 s), not per run.
 PREFECT_HOME = Path(tempfile.mkdtemp(prefix="ragen-prefect-home-"))
+atexit.register(shutil.rmtree, PREFECT_HOME, ignore_errors=True)  # every test process imports this module
 CONFIG = ROOT / "configs" / "bandit-tiny.yaml"
 TINY = [
     "trainer.iterations=3",
@@ -250,8 +253,6 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
 
 
 def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path: Path) -> None:
-    import shutil
-
     state, run = reference
     copy = tmp_path / run.name
     shutil.copytree(run, copy)
