@@ -1,0 +1,131 @@
+"""Behaviour check for refactors: the same config trains the same run before and after a change.
+
+Trains ``configs/bandit-tiny.yaml`` (``--iterations`` iterations, local backend) twice, once with the
+code of a reference revision (checked out into a temporary ``git worktree``) and once with the code of
+this working tree, each in a fresh state folder, with the same interpreter and packages. Then it
+compares, iteration by iteration:
+
+- the train rollouts (``iter_K/rollouts.parquet``) and the validation rollouts (``eval/*.parquet``):
+  every column of every row equal, except ``run_id`` (a run id holds the config hash and a random
+  suffix, so it differs between any two runs, and the config hash changes whenever a config field is
+  added);
+- the learner state after each iteration (``iter_K/checkpoint``): every tensor of the policy (and
+  critic) bitwise equal.
+
+Usage: ``python benchmarks/identity.py [--ref REV] [--iterations N]`` (default: ``HEAD``, 3). The last
+line reads ``BENCH identity_<ref> ratio=<equal artifacts / artifacts> target=>=1 PASS|MISS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import safetensors.torch
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/bandit-tiny.yaml"
+
+
+def train(code: Path, state: Path, iterations: int) -> Path:
+    """One run of CONFIG with the code in ``code``; returns its run directory."""
+    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
+    args = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        CONFIG,
+        "--set",
+        f"trainer.iterations={iterations}",
+        "--set",
+        "trainer.backend=local",
+        "--set",
+        f"trainer.run_root={state / 'runs'}",
+    ]
+    log = state / "train.log"
+    state.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        code_rc = subprocess.run(args, cwd=code, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code_rc != 0:
+        sys.exit(f"training with the code in {code} failed (rc {code_rc}); see {log}")
+    (run,) = [p for p in (state / "runs").iterdir() if p.is_dir()]
+    return run
+
+
+def same_table(a: Path, b: Path) -> tuple[bool, str]:
+    ta, tb = pq.read_table(a).drop_columns(["run_id"]), pq.read_table(b).drop_columns(["run_id"])
+    if ta.schema != tb.schema:
+        return False, "different schemas"
+    if ta.num_rows != tb.num_rows:
+        return False, f"{ta.num_rows} vs {tb.num_rows} rows"
+    diff = [c for c in ta.column_names if not ta.column(c).equals(tb.column(c))]
+    return not diff, "equal" if not diff else f"columns differ: {diff}"
+
+
+def same_weights(a: Path, b: Path) -> tuple[bool, str]:
+    files = ["policy/model.safetensors", "critic.safetensors"]
+    for name in files:
+        fa, fb = a / name, b / name
+        if fa.exists() != fb.exists():
+            return False, f"{name} on one side only"
+        if not fa.exists():
+            continue
+        wa, wb = safetensors.torch.load_file(str(fa)), safetensors.torch.load_file(str(fb))
+        if wa.keys() != wb.keys():
+            return False, f"{name}: different tensors"
+        diff = [k for k in wa if not torch.equal(wa[k], wb[k])]
+        if diff:
+            return False, f"{name}: {len(diff)} tensors differ, e.g. {diff[:2]}"
+    return True, "bitwise equal"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ref", default="HEAD", help="reference revision (default HEAD)")
+    parser.add_argument("--iterations", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ragen-identity-"))
+    ref_code = work / "ref-code"
+    try:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(ref_code), args.ref], check=True
+        )
+        print(
+            f"training {CONFIG} for {args.iterations} iterations with {args.ref} and with this tree ...",
+            flush=True,
+        )
+        ref_run = train(ref_code, work / "ref-state", args.iterations)
+        new_run = train(ROOT, work / "new-state", args.iterations)
+        checks: list[tuple[str, bool, str]] = []
+        for k in range(1, args.iterations + 1):
+            it = f"iter_{k:04d}"
+            checks.append(
+                (
+                    f"{it}/rollouts.parquet",
+                    *same_table(ref_run / it / "rollouts.parquet", new_run / it / "rollouts.parquet"),
+                )
+            )
+            checks.append(
+                (f"{it}/checkpoint", *same_weights(ref_run / it / "checkpoint", new_run / it / "checkpoint"))
+            )
+        for f in sorted((ref_run / "eval").glob("*.parquet")):
+            checks.append((f"eval/{f.name}", *same_table(f, new_run / "eval" / f.name)))
+        for name, ok, detail in checks:
+            print(f"  {name:32s} {'same' if ok else 'DIFFERENT'} ({detail})")
+        ratio = sum(ok for _, ok, _ in checks) / len(checks)
+        print(f"BENCH identity_{args.ref} ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}")
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(ref_code)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
