@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ragen_core import state_folder
 from ragen_core.errors import RagenError
 
 log = logging.getLogger(__name__)
@@ -143,9 +144,7 @@ class ImportResult:
 # ------------------------------------------------------------------------------------------------
 def models_dir(state_dir: str | os.PathLike | None = None) -> Path:
     """``<state>/models``: ``state_dir`` or ``$RAGEN_STATE_DIR`` (default ``.state``)."""
-    from ragen_core.state_folder import state_dir as default_state_dir
-
-    return Path(state_dir if state_dir is not None else default_state_dir()) / "models"
+    return Path(state_dir if state_dir is not None else state_folder.state_dir()) / "models"
 
 
 def default_name(gguf: str | os.PathLike) -> str:
