@@ -16,6 +16,7 @@ choice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -40,6 +41,7 @@ class BanditEnv(Env):
     """Two named arms, one low-risk and one high-risk; one pull per episode."""
 
     env_type: ClassVar[str] = "bandit"
+    success_means: ClassVar[str] = "the pulled arm is the high-risk arm, whatever it happened to pay."
 
     def __init__(
         self,
@@ -117,6 +119,18 @@ class BanditEnv(Env):
     def oracle_action(self) -> str:
         """The arm that succeeds: the high arm (also the higher expectation, 0.25 > 0.1, by default)."""
         return self.hi_arm
+
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """One pull of the high arm (the episode has one action)."""
+        return [self.oracle_action()]
+
+    def think_text(self, actions: Sequence[str]) -> str:
+        """A sentence about the arm names that matches the pick: the names are all the model sees."""
+        first = actions[0] if actions else ""
+        hi, lo = self.hi_arm_name, self.lo_arm_name
+        if first.strip().lower() == hi.strip().lower():
+            return f"{hi} sounds bold and may pay more than {lo}, so I pick {hi}."
+        return f"{lo} sounds safe and steady, so I pick {lo}."
 
     def close(self) -> None:
         self._observation = None

@@ -4,14 +4,27 @@ An environment is a small, seedable text game: ``reset(seed)`` returns the rende
 (the same seed gives the same state in any process), ``step(action)`` applies one primitive action
 given as text and returns a :class:`StepResult`. Discrete-action environments expose their action
 vocabulary in ``actions``; free-text environments (Countdown, MathQA) set it to ``None``.
+
+Everything else the project needs to know about an environment is a hook on the class itself, so that
+adding one (built-in or plug-in) means writing one class and registering it, never editing a switch
+elsewhere: :meth:`Env.oracle_actions` (what a good player does next: the warm start's demonstrations,
+``ragen demo``, the tests), :meth:`Env.think_text` (the demonstrations' think sentence),
+:meth:`Env.random_answer` (the demonstrations' noise) and :attr:`Env.success_means` (what a success
+is, shown by ``ragen demo``).
 """
 
 from __future__ import annotations
 
 import math
+import random
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+
+class NoOracleError(NotImplementedError):
+    """The environment has no oracle (it does not override :meth:`Env.oracle_actions`)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,9 @@ class Env(ABC):
 
     #: Registry name of the environment type (``sokoban``, ``frozen_lake``, ...).
     env_type: ClassVar[str] = ""
+    #: What a successful episode is, in one sentence (``info["success"]`` of the final step); shown by
+    #: ``ragen demo`` next to the success rate it explains.
+    success_means: ClassVar[str] = "the environment ends the episode reporting success."
 
     actions: list[str] | None = None
     grid_vocab: dict[str, str] | None = None
@@ -60,6 +76,47 @@ class Env(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (most envs hold none)."""
 
+    # Hooks of the warm start and the demo ------------------------------------------------------
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """The actions a good player takes next turn (at most ``max_actions`` and ``actions_left``).
+
+        ``turns_left`` counts this turn, so an oracle can spread its budget over the turns.
+        Return ``[]`` when no way to succeed is known (e.g. an unsolvable position) and one answer
+        string for free-text environments. Without an override there is no oracle: the warm start
+        cannot demonstrate the environment, hence the error rather than a guess.
+        """
+        kind = type(self).env_type or type(self).__name__
+        raise NoOracleError(f"environment type {kind!r} has no oracle; define oracle_actions() on it")
+
+    def think_text(self, actions: Sequence[str]) -> str:
+        """The demonstration's think sentence for taking ``actions`` in the current state.
+
+        Deterministic, short, and about the state, so that the imitated reasoning matches what is on
+        screen; the default only restates the answer.
+        """
+        first = actions[0] if actions else ""
+        return f"The answer is {first}."
+
+    def random_answer(self, plan: list[str], cap: int, rng: random.Random) -> list[str]:
+        """A deliberately non-oracle answer for the demonstrations' noise turns (``cap`` >= 1 actions).
+
+        Discrete actions: as many as the oracle's ``plan`` (1..min(3, cap) without a plan), each
+        uniform over the vocabulary. Free text: the plan's number moved by -3..3 (not 0), the plan
+        itself when it is no number, a number in 0..100 without a plan. Draws only from ``rng``, in a
+        fixed order, so the demonstrations are reproducible.
+        """
+        if self.actions:
+            k = len(plan) if plan else rng.randint(1, max(1, min(3, cap)))
+            return [rng.choice(self.actions) for _ in range(min(k, cap))]
+        if plan:
+            try:
+                value = float(plan[0])
+            except ValueError:
+                return list(plan)
+            delta = rng.choice([-3, -2, -1, 1, 2, 3])
+            return [str(int(value) + delta) if value == int(value) else str(value + delta)]
+        return [str(rng.randint(0, 100))]
+
     # Helpers for discrete-action subclasses -------------------------------------------------
     def match_action(self, action: str) -> int | None:
         """Index of ``action`` in ``actions`` (case-insensitive exact name match) or ``None``."""
@@ -80,6 +137,12 @@ def invalid_step(observation: str) -> StepResult:
         done=False,
         info={"success": False, "action_is_valid": False, "action_is_effective": False},
     )
+
+
+def cell_label(index: int, ncol: int) -> str:
+    """A grid cell as ``(row,col)`` (0-based) from its flat index: how think sentences name cells."""
+    r, c = divmod(int(index), int(ncol))
+    return f"({r},{c})"
 
 
 def format_reward(x: float) -> str:

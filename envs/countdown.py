@@ -240,6 +240,10 @@ class CountdownEnv(Env):
     """One puzzle per episode; the single action is the equation (free text)."""
 
     env_type: ClassVar[str] = "countdown"
+    success_means: ClassVar[str] = (
+        "the answer parses, uses each of the puzzle's numbers exactly once, and its exact value is "
+        "the target."
+    )
 
     def __init__(
         self,
@@ -326,6 +330,30 @@ class CountdownEnv(Env):
         if self._observation is None:
             raise RuntimeError("CountdownEnv.render() before reset(seed)")
         return self._observation
+
+    # Oracle and demonstrations ------------------------------------------------------------------------
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """A correct equation (``[]`` when a data-file puzzle has none)."""
+        sol = self.solution
+        return [sol] if sol else []
+
+    def think_text(self, actions: Sequence[str]) -> str:
+        """``Target 24, nums [1, 2, 3, 4]. I try 1 * 2 * 3 * 4.``"""
+        first = actions[0] if actions else ""
+        return f"Target {self.target}, nums {self.nums}. I try {first}."
+
+    def random_answer(self, plan: list[str], cap: int, rng: random.Random) -> list[str]:
+        """A random expression of the puzzle's numbers: shuffled, joined by random operators.
+
+        It uses each of the puzzle's numbers once, so a noise turn still shows a well-formed equation
+        (usually of the wrong value) rather than an answer of the wrong shape.
+        """
+        nums = list(self.nums)
+        rng.shuffle(nums)
+        expr = str(nums[0])
+        for n in nums[1:]:
+            expr += f" {rng.choice('+-*/')} {n}"
+        return [expr]
 
     def close(self) -> None:
         self._observation = None

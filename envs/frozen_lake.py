@@ -30,6 +30,7 @@ for the returned policy, so it is directly comparable with a measured success ra
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -37,7 +38,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, invalid_step
+from envs.base import Env, StepResult, cell_label, invalid_step
 
 ACTIONS: list[str] = ["Left", "Down", "Right", "Up"]
 LEFT, DOWN, RIGHT, UP = range(4)
@@ -401,6 +402,10 @@ class FrozenLakeEnv(Env):
     """RAGEN's FrozenLake: random map, start and goal per seed; slippery ice; budgeted by the runner."""
 
     env_type: ClassVar[str] = "frozen_lake"
+    success_means: ClassVar[str] = (
+        "the player reaches the goal within the action budget; slips count, and falling into a hole "
+        "ends the episode as a failure."
+    )
 
     def __init__(
         self,
@@ -538,6 +543,33 @@ class FrozenLakeEnv(Env):
         if data.oracle is None or len(data.oracle[0]) < steps_left:
             data.oracle = optimal_policy(self, horizon=max(steps_left, 10))
         return ACTIONS[policy_action(data.oracle[0], self.state, steps_left)]
+
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """The optimal policy followed along the intended (non-slip) moves, ``ceil(actions_left /
+        turns_left)`` actions at most, so that the whole budget can be used over the turns left.
+
+        FrozenLake is stochastic, so its oracle is a closed-loop policy; one turn commits to several
+        actions, planned as if no slip happened, and the next turn plans again from wherever the
+        player ended up. Stops early at a hole or the goal along the intended moves.
+        """
+        per_turn = math.ceil(actions_left / max(turns_left, 1))
+        cap = max(0, min(max_actions, actions_left))
+        table, _ = optimal_policy(self, horizon=max(actions_left, 1))
+        intended = build_transitions(self.desc, is_slippery=False)
+        state, out = self.state, []
+        for k in range(min(per_turn, cap)):
+            a = policy_action(table, state, actions_left - k)
+            out.append(ACTIONS[a])
+            _, state, _, terminal = intended[state][a][0]
+            if terminal:
+                break
+        return out
+
+    def think_text(self, actions: Sequence[str]) -> str:
+        """``Player (r,c), goal (r,c). I should go Left.`` (0-based cells)."""
+        first = actions[0] if actions else ""
+        goals = " and ".join(cell_label(g, self.ncol) for g in sorted(self.goal_states))
+        return f"Player {cell_label(self.state, self.ncol)}, goal {goals}. I should go {first}."
 
 
 # Oracle ------------------------------------------------------------------------------------------

@@ -241,6 +241,10 @@ class MathQAEnv(Env):
     """One question per episode; each action is an attempt at the answer (free text)."""
 
     env_type: ClassVar[str] = "metamathqa"
+    success_means: ClassVar[str] = (
+        "the answer equals the gold answer after lowercasing and removing whitespace (or both are plain "
+        "decimal numbers of equal value), at an allowed attempt."
+    )
 
     def __init__(
         self, data_path: str | Path | None = None, max_attempts: int = 1, numeric_match: bool = True
@@ -306,6 +310,10 @@ class MathQAEnv(Env):
         if self._observation is None:
             raise RuntimeError("MathQAEnv.render() before reset(seed)")
         return self._observation
+
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """The gold answer."""
+        return [solve(self)]
 
     def close(self) -> None:
         self._observation = None

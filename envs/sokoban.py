@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, invalid_step
+from envs.base import Env, StepResult, cell_label, invalid_step
 from envs.sokoban_solver import solve
 from envs.sokoban_state import (
     ACTIONS,
@@ -238,6 +238,7 @@ class SokobanEnv(Env):
     """
 
     env_type: ClassVar[str] = "sokoban"
+    success_means: ClassVar[str] = "every box is on a target within the action budget."
 
     def __init__(
         self,
@@ -374,4 +375,26 @@ class SokobanEnv(Env):
         self._require_room()
         return render_room(
             self._height, self._width, self._floor, self._targets, self._boxes, self._player, self.grid_lookup
+        )
+
+    # Oracle and demonstrations ------------------------------------------------------------------------
+    def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
+        """The next turn's part of a shortest solution within the budget (``[]`` if none fits).
+
+        Sokoban is deterministic, so the first ``max_actions`` actions of an optimal plan are the
+        best turn whatever ``turns_left`` is.
+        """
+        plan = solve(self, max_depth=actions_left)
+        return (plan or [])[: max(0, min(max_actions, actions_left))]
+
+    def think_text(self, actions: Sequence[str]) -> str:
+        """``Player (r,c), box (r,c), target (r,c). I should go Up.`` (0-based cells)."""
+        first = actions[0] if actions else ""
+        st = self.state
+        boxes = " and ".join(cell_label(b, st.width) for b in st.boxes)
+        targets = " and ".join(cell_label(t, st.width) for t in st.targets)
+        b_word, t_word = ("box", "target") if len(st.boxes) == 1 else ("boxes", "targets")
+        return (
+            f"Player {cell_label(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. "
+            f"I should go {first}."
         )

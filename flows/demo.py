@@ -2,7 +2,8 @@
 
 It exercises the same path a policy will take (prompt assembly, ``<think>/<answer>`` parsing,
 action budget, format penalty, env groups and their metrics) with oracle answers instead of a
-model, and prints the transcripts. ``python -m flows.demo [--tags A,B] [--groups N]``.
+model, and prints, per tag, what success means there (the env's ``success_means``) and the
+transcripts. ``python -m flows.demo [--tags A,B] [--groups N]``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main(
         g, metrics = play(tag, groups, protocol)
         dt = time.perf_counter() - t0
         console.rule(f"[bold]{tag}")
+        success_means = type(g.env(0)).success_means
+        console.print(f"success: {success_means}", style="dim", markup=False, highlight=False)
         for env_id in range(min(transcripts, len(g))):
             print_transcript(g, env_id)
         summary.add_row(

@@ -8,10 +8,11 @@ some of the task) by imitation, as RAGEN's appendix C compares SFT with RL:
    episodes (mode ``"train"``, seeds from :attr:`SFTConfig.demo_seed`, far from the validation seeds
    ``123 + i`` and the RL train seeds ``10000 + iteration * P + i``). Each turn's answer is the
    oracle's next actions (:func:`envs.oracles.oracle_actions`) or, with probability
-   ``1 - optimal_fraction``, random actions from the env's vocabulary (see :class:`SFTConfig`), written
-   as the model would write it after the forced prefix: ``{think}</think><answer>A || B</answer>``
-   (no-think mode: ``A || B</answer>``), where ``think`` is a short deterministic sentence about the
-   state (:func:`think_text`). The answer goes through :meth:`EnvGroups.step` exactly as a sampled
+   ``1 - optimal_fraction``, the env's random answer (:meth:`envs.base.Env.random_answer`: random
+   actions from its vocabulary, see :class:`SFTConfig`), written as the model would write it after the
+   forced prefix: ``{think}</think><answer>A || B</answer>`` (no-think mode: ``A || B</answer>``),
+   where ``think`` is the env's short deterministic sentence about the state
+   (:meth:`envs.base.Env.think_text`). The answer goes through :meth:`EnvGroups.step` exactly as a sampled
    one would (forced prefix + decoded text), so the episode unfolds as a rollout would.
 2. **Tokens.** The "sampled" ids of a turn are the tokenizer's encoding of that text plus the
    end-of-turn token; the conversation is assembled by the runner's own
@@ -58,7 +59,6 @@ __all__ = [
     "demo_groups_config",
     "evaluate_policy",
     "sft_loss",
-    "think_text",
     "train_sft",
     "warm_start",
 ]
@@ -181,75 +181,12 @@ class Demo:
 
 
 # --------------------------------------------------------------------------------------------
-# Think text
-# --------------------------------------------------------------------------------------------
-def _rc(index: int, ncol: int) -> str:
-    r, c = divmod(int(index), int(ncol))
-    return f"({r},{c})"
-
-
-def think_text(env: Env, actions: Sequence[str]) -> str:
-    """A short deterministic sentence about the state and the chosen actions (0-based (row,col)).
-
-    Sokoban ``Player (r,c), box (r,c), target (r,c). I should go Up.``; FrozenLake ``Player (r,c),
-    goal (r,c). I should go Left.``; Bandit: a sentence about the arm names that matches the pick;
-    Countdown: the numbers, target and the equation tried; others: the answer.
-    """
-    kind = type(env).env_type
-    first = actions[0] if actions else ""
-    if kind == "sokoban":
-        st = env.state  # type: ignore[attr-defined]
-        boxes = " and ".join(_rc(b, st.width) for b in st.boxes)
-        targets = " and ".join(_rc(t, st.width) for t in st.targets)
-        b_word, t_word = ("box", "target") if len(st.boxes) == 1 else ("boxes", "targets")
-        return (
-            f"Player {_rc(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. I should go {first}."
-        )
-    if kind == "frozen_lake":
-        goals = " and ".join(_rc(g, env.ncol) for g in sorted(env.goal_states))  # type: ignore[attr-defined]
-        return f"Player {_rc(env.state, env.ncol)}, goal {goals}. I should go {first}."  # type: ignore[attr-defined]
-    if kind == "bandit":
-        hi, lo = env.hi_arm_name, env.lo_arm_name  # type: ignore[attr-defined]
-        if first.strip().lower() == hi.strip().lower():
-            return f"{hi} sounds bold and may pay more than {lo}, so I pick {hi}."
-        return f"{lo} sounds safe and steady, so I pick {lo}."
-    if kind == "countdown":
-        return f"Target {env.target}, nums {env.nums}. I try {first}."  # type: ignore[attr-defined]
-    return f"The answer is {first}."
-
-
-# --------------------------------------------------------------------------------------------
 # Demonstrations
 # --------------------------------------------------------------------------------------------
 def _rng(*keys: int) -> random.Random:
     return random.Random(
         int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]).generate_state(1)[0])
     )
-
-
-def _noisy_actions(env: Env, plan: list[str], cap: int, rng: random.Random) -> list[str]:
-    """Random actions: as many as the oracle planned (1..min(3, cap) if it has no plan), each uniform
-    over the vocabulary. Free-text envs: Countdown a random expression of its numbers, others a
-    perturbed numeric answer (the oracle's when it is not a number)."""
-    if env.actions:
-        k = len(plan) if plan else rng.randint(1, max(1, min(3, cap)))
-        return [rng.choice(env.actions) for _ in range(min(k, cap))]
-    kind = type(env).env_type
-    if kind == "countdown":
-        nums = list(env.nums)  # type: ignore[attr-defined]
-        rng.shuffle(nums)
-        expr = str(nums[0])
-        for n in nums[1:]:
-            expr += f" {rng.choice('+-*/')} {n}"
-        return [expr]
-    if plan:
-        try:
-            value = float(plan[0])
-        except ValueError:
-            return list(plan)
-        delta = rng.choice([-3, -2, -1, 1, 2, 3])
-        return [str(int(value) + delta) if value == int(value) else str(value + delta)]
-    return [str(rng.randint(0, 100))]
 
 
 def demo_groups_config(cfg: SFTConfig) -> EnvGroupsConfig:
@@ -266,7 +203,7 @@ def demo_groups_config(cfg: SFTConfig) -> EnvGroupsConfig:
 def _answer_text(env: Env, actions: list[str], protocol: ProtocolConfig) -> str:
     answer = f" {protocol.action_sep} ".join(a.strip() for a in actions)
     if protocol.enable_think:
-        return f"{think_text(env, actions)}</think><answer>{answer}</answer>"
+        return f"{env.think_text(actions)}</think><answer>{answer}</answer>"
     return f"{answer}</answer>"
 
 
@@ -310,7 +247,7 @@ def build_demonstrations(
             if use_oracle and plan:
                 chosen, is_opt = plan, True
             else:
-                chosen, is_opt = _noisy_actions(env, plan, cap, rng), False
+                chosen, is_opt = env.random_answer(plan, cap, rng), False
             text = _answer_text(env, chosen, protocol)
             ids = [*seg.encode(text), seg.eos_id]
             turns[i].append(_Turn(ids=ids, logprobs=[0.0] * len(ids), closed=True))
