@@ -27,6 +27,7 @@ from typer.core import TyperGroup
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from ragen_core.sweep.report import Report
     from ragen_core.trajectory import Trajectory
 
 
@@ -544,7 +545,7 @@ sweep_app = typer.Typer(
 app.add_typer(sweep_app, name="sweep")
 
 
-def _print_report(report: Any, paths: list[Path]) -> None:
+def _print_report(report: Report, paths: list[Path]) -> None:
     from rich.table import Table
 
     table = Table(title=f"sweep {report.sweep} (parent run {report.parent_run_id})")
@@ -578,7 +579,7 @@ def _print_report(report: Any, paths: list[Path]) -> None:
 @sweep_app.command("plan")
 def sweep_plan(path: Annotated[Path, typer.Argument(help="Sweep file (YAML).")]) -> None:
     """List a sweep's members and check every member's config (nothing runs)."""
-    from ragen_core.sweep import SweepError, expand, load_sweep, sweep_hash, validate_members
+    from ragen_core.sweep.spec import SweepError, expand, load_sweep, sweep_hash, validate_members
 
     try:
         sweep = load_sweep(path)
@@ -619,7 +620,7 @@ def sweep_run(
     Exits 2 when a member failed (the others still ran; the report lists the failure).
     """
     _prepare()
-    from ragen_core.sweep import SweepError, expand, load_sweep
+    from ragen_core.sweep.spec import SweepError, expand, load_sweep
 
     try:  # a broken sweep file fails before Prefect starts
         expand(load_sweep(path))
@@ -627,7 +628,7 @@ def sweep_run(
         fail(str(exc))
     from flows.sweep import SweepRequest
     from flows.sweep import sweep as sweep_flow
-    from ragen_core.sweep import Report
+    from ragen_core.sweep.report import Report
 
     result = sweep_flow(
         SweepRequest(
@@ -655,7 +656,7 @@ def sweep_report(
 ) -> None:
     """Regenerate a sweep's comparison report from MLflow alone (report.md, report.json, PNG curves)."""
     state = _prepare()
-    from ragen_core.sweep import build_report
+    from ragen_core.sweep.report import build_report
     from ragen_core.tracking import Tracker, TrackingConfig, TrackingError
 
     try:

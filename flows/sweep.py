@@ -2,7 +2,7 @@
 
 ``sweep(SweepRequest(path=...))``:
 
-1. loads the sweep file, expands its members (``ragen_core.sweep.expand``) and validates every
+1. loads the sweep file, expands its members (``ragen_core.sweep.spec.expand``) and validates every
    member's config before anything runs; a member whose config cannot load (an impossible override)
    is recorded as failed (an MLflow child run with status FAILED and the error in the tag
    ``ragen.sweep_error``), and the others still run;
@@ -11,7 +11,7 @@
    ``ragen.sweep``, ``ragen.sweep_member``, ``ragen.sweep_group``, ``ragen.seed``; the id goes into the
    run's ``run.json``), then runs as the training flow (``flows.train.train``) with
    ``TrainRequest(resume=<run dir>, parent_run_id=<parent>)``, which continues that child run;
-4. writes the comparison report (``ragen_core.sweep.build_report``, from MLflow alone) into the
+4. writes the comparison report (``ragen_core.sweep.report.build_report``, from MLflow alone) into the
    state folder and logs it to the parent run (``report/``), tags the parent with each member's
    status, and ends it FINISHED (FAILED when a member failed).
 
@@ -54,7 +54,12 @@ from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
 from flows.train import TrainRequest
-from ragen_core.sweep import (
+from ragen_core.sweep.report import build_report
+from ragen_core.sweep.spec import Member, SweepConfig, expand, load_sweep, sweep_hash, validate_members
+from ragen_core.sweep.state import MemberState, SweepState
+from ragen_core.sweep.tags import (
+    COMPARE_TAG,
+    DESCRIPTION_TAG,
     ERROR_TAG,
     GROUP_TAG,
     INDEX_TAG,
@@ -64,15 +69,6 @@ from ragen_core.sweep import (
     SEED_TAG,
     SWEEP_HASH_TAG,
     SWEEP_TAG,
-    Member,
-    MemberState,
-    SweepConfig,
-    SweepState,
-    build_report,
-    expand,
-    load_sweep,
-    sweep_hash,
-    validate_members,
 )
 from ragen_core.tracking import Tracker, TrackingConfig
 
@@ -206,8 +202,8 @@ class _Sweep:
             SWEEP_HASH_TAG: self.hash,
             ROLE_TAG: "parent",
             "ragen.sweep.file": str(self.request.path),
-            "ragen.sweep.compare": json.dumps(s.compare),
-            "ragen.sweep.description": s.description,
+            COMPARE_TAG: json.dumps(s.compare),
+            DESCRIPTION_TAG: s.description,
             "ragen.sweep.state": str(self.state_path.resolve()),
         }
         try:

@@ -1,31 +1,10 @@
-"""Sweeps: a grid of training runs (the paper's ablations), their state, and the comparison report.
+"""The comparison report of a sweep: per member and per group (mean ± std over seeds), from MLflow alone.
 
-A sweep file (YAML, ``sweeps/``) names a base run config and what varies::
-
-    name: filter-ratio                       # names the MLflow parent run and the state folder
-    base: configs/frozenlake-tiny.yaml       # a run config (relative to the working directory,
-                                             # else to the sweep file)
-    overrides: [trainer.iterations=10]       # applied to every member
-    grid:                                    # cartesian product (one member per combination)
-      rollout.filter_ratio: [0.25, 0.5, 1.0]
-    members:                                 # and/or named variants (crossed with the grid)
-      - {name: ppo, overrides: [learner.algorithm.adv_estimator=gae]}
-      - {name: grpo, overrides: [learner.algorithm.adv_estimator=grpo]}
-    seeds: [0, 1, 2]                         # every variant once per seed
-    seed_keys: [trainer.seed]                # the config keys a seed sets
-    concurrency: 1                           # members trained at once
-    compare: [val-env/success, val-env/*/success]   # metrics of the report (globs allowed)
-
-``expand`` turns it into ``Member``\\ s (members x grid x seeds, in that order). Each member's
-overrides are: the sweep's ``overrides``, then the member's, then the grid point's, then the seed
-keys (later ones win). A member's *group* (``Member.name``) is everything but the seed, so the
-report averages a group over its seeds. Keys (``<name>-s<seed>``) depend only on the sweep file,
-so a re-run finds its members again.
-
-The report (``build_report``) is built from MLflow alone: the parent run's child runs (tag
-``mlflow.parentRunId``), their tags (``ragen.sweep_member``, ``ragen.sweep_group``, ``ragen.seed``,
-``ragen.sweep_error``), status, start/end times and metric histories. No run directory is read,
+``build_report`` reads the parent run's child runs (tag ``mlflow.parentRunId``), their tags
+(``ragen_core.sweep.tags``), status, start/end times and metric histories. No run directory is read,
 so ``ragen sweep report PARENT_RUN_ID`` works on any machine that sees the tracking store.
+``Report.write`` turns it into ``report.md``, ``report.json`` and the curves, drawn by
+``ragen_core.plotting`` like a single run's.
 
 No MLflow import here (docs/architecture.md, "Layers"): the store is reached through ``ragen_core.tracking``.
 """
@@ -33,304 +12,43 @@ No MLflow import here (docs/architecture.md, "Layers"): the store is reached thr
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import itertools
 import json
 import math
 import os
-import re
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError
 
-from ragen_core.tracking import ITERATION_KEY, PARENT_TAG
+from ragen_core.monitor import MonitorConfig, detect
+from ragen_core.plotting import render_group_curves
+from ragen_core.state_folder import state_dir
+from ragen_core.sweep.spec import DEFAULT_COMPARE, slug
+from ragen_core.sweep.tags import (
+    COMPARE_TAG,
+    DESCRIPTION_TAG,
+    ERROR_TAG,
+    GROUP_TAG,
+    INDEX_TAG,
+    MEMBER_TAG,
+    OVERRIDES_TAG,
+    SEED_TAG,
+    SWEEP_TAG,
+)
+from ragen_core.tracking import ITERATION_KEY, PARENT_TAG, Tracker, TrackingConfig, metric_key
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ragen_core.config import RagenConfig
-    from ragen_core.monitor import MonitorConfig
-    from ragen_core.tracking import Tracker
-
-# MLflow tags of a sweep's runs.
-SWEEP_TAG = "ragen.sweep"  # parent and children: the sweep's name
-SWEEP_HASH_TAG = "ragen.sweep_hash"  # parent and children: the definition's digest
-MEMBER_TAG = "ragen.sweep_member"  # child: the member key
-GROUP_TAG = "ragen.sweep_group"  # child: the member's group (name without the seed)
-SEED_TAG = "ragen.seed"  # child: the seed
-INDEX_TAG = "ragen.sweep_index"  # child: position in the expansion (report order)
-OVERRIDES_TAG = "ragen.sweep_overrides"  # child: the member's overrides (JSON list)
-ERROR_TAG = "ragen.sweep_error"  # child: why the member failed
-ROLE_TAG = "ragen.sweep_role"  # "parent" or "member"
-
-DEFAULT_COMPARE = ["val-env/success", "val-env/*/success"]
+#: training statistics drawn for every group besides the compared metrics (the paper's figures)
 CURVE_KEYS = ["rollout/in_group_std", "actor/entropy", "actor/grad_norm", "response_length/mean"]
 TOKENS_KEY = "perf/total_num_tokens"
 
-_SLUG_BAD = re.compile(r"[^A-Za-z0-9._=,+-]+")
 
-
-class SweepError(ValueError):
-    """A sweep file that cannot run as a whole (the message names the field and the fix)."""
-
-
-def slug(text: str) -> str:
-    """A name safe in run directories and MLflow run names."""
-    return _SLUG_BAD.sub("_", str(text)).strip("_") or "_"
-
-
-def _value_text(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-# ------------------------------------------------------------------------------------ definition
-class MemberSpec(BaseModel):
-    """A named variant: its overrides on top of the sweep's."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, description="variant name (the group name in the report)")
-    overrides: list[str] = Field(default_factory=list, description="KEY=VALUE")
-
-
-class SweepConfig(BaseModel):
-    """A sweep file."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1, description="names the MLflow parent run and the state folder")
-    description: str = Field(default="", description="what the sweep reproduces (shown in the report)")
-    base: str = Field(min_length=1, description="base run config (YAML)")
-    overrides: list[str] = Field(default_factory=list, description="KEY=VALUE applied to every member")
-    grid: dict[str, list[Any]] = Field(default_factory=dict, description="KEY -> values (cartesian product)")
-    members: list[MemberSpec] = Field(default_factory=list, description="named variants (crossed with grid)")
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1, description="one run per seed")
-    seed_keys: list[str] = Field(
-        default_factory=lambda: ["trainer.seed"],
-        min_length=1,
-        description="config keys a seed sets (e.g. also learner.seed, model.seed, sft.seed)",
-    )
-    concurrency: int = Field(default=1, ge=1, description="members trained at once")
-    compare: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_COMPARE),
-        description="metric keys (globs) compared in the report",
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, v: str) -> str:
-        if slug(v) != v:
-            raise ValueError(f"name {v!r} may only use letters, digits and . _ = , + - (e.g. {slug(v)!r})")
-        return v
-
-    @field_validator("grid")
-    @classmethod
-    def _check_grid(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        for key, values in v.items():
-            if "=" in key or not key.strip():
-                raise ValueError(f"grid key {key!r} must be a dotted config key (values go in the list)")
-            if not values:
-                raise ValueError(f"grid.{key} has no values")
-        return v
-
-    @field_validator("seeds")
-    @classmethod
-    def _check_seeds(cls, v: list[int]) -> list[int]:
-        if len(set(v)) != len(v):
-            raise ValueError(f"seeds must be distinct, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _check_members(self) -> SweepConfig:
-        names = [m.name for m in self.members]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"member names must be distinct; repeated: {dup}")
-        return self
-
-
-@dataclass(frozen=True)
-class Member:
-    """One training run of a sweep: ``name`` is its group (the variant), ``key`` adds the seed."""
-
-    key: str
-    name: str
-    seed: int
-    overrides: tuple[str, ...]
-    index: int = 0
-    own_overrides: tuple[str, ...] = field(default=(), compare=False)  # member + grid part only
-
-    @property
-    def group(self) -> str:
-        return self.name
-
-    def run_name(self, sweep: SweepConfig) -> str:
-        """Prefix of the member's run directory / run id (a valid run name: ``=`` and ``,`` of the key
-        become ``-``; the run id's hash and random suffix keep it unique)."""
-        from ragen_core.run_dir import to_run_name
-
-        return to_run_name(f"{sweep.name}.{self.key}") or "member"
-
-
-def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
-    """Read and check a sweep file; ``base`` is resolved (working directory first, then the
-    sweep file's folder and its parents) and must exist."""
-    p = Path(path)
-    if not p.is_file():
-        raise SweepError(f"sweep file {p} not found")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise SweepError(f"sweep file {p} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise SweepError(f"sweep file {p} must hold a mapping at the top level")
-    try:
-        sweep = SweepConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [
-            f"{'.'.join(map(str, e['loc'])) or '(sweep)'}: {str(e['msg']).removeprefix('Value error, ')}"
-            for e in exc.errors()
-        ]
-        raise SweepError(f"invalid sweep file {p}:\n  " + "\n  ".join(lines)) from None
-    base = Path(sweep.base)
-    if not base.is_file() and not base.is_absolute():
-        for folder in [p.parent, *p.parent.resolve().parents]:
-            if (folder / sweep.base).is_file():
-                base = folder / sweep.base
-                break
-    if not base.is_file():
-        raise SweepError(
-            f"sweep file {p}: base config {sweep.base} not found (relative to the working "
-            f"directory or to {p.parent})"
-        )
-    return sweep.model_copy(update={"base": str(base)})
-
-
-def _grid_labels(keys: Sequence[str]) -> dict[str, str]:
-    """Short labels of grid keys: the last dotted part, unless two keys share it."""
-    last = [k.rsplit(".", 1)[-1] for k in keys]
-    return {k: (lbl if last.count(lbl) == 1 else k) for k, lbl in zip(keys, last, strict=True)}
-
-
-def expand(sweep: SweepConfig) -> list[Member]:
-    """members x grid x seeds, in that order, with stable keys ``<name>-s<seed>``."""
-    variants = [(m.name, list(m.overrides)) for m in sweep.members] or [("", [])]
-    keys = list(sweep.grid)
-    labels = _grid_labels(keys)
-    points = list(itertools.product(*(sweep.grid[k] for k in keys))) if keys else [()]
-    out: list[Member] = []
-    seen: dict[str, str] = {}
-    for vname, vover in variants:
-        for point in points:
-            grid_over = [f"{k}={_value_text(v)}" for k, v in zip(keys, point, strict=True)]
-            grid_name = ",".join(f"{labels[k]}={_value_text(v)}" for k, v in zip(keys, point, strict=True))
-            name = slug(",".join(x for x in (vname, grid_name) if x) or "base")
-            for seed in sweep.seeds:
-                key = f"{name}-s{seed}"
-                if key in seen:
-                    raise SweepError(
-                        f"sweep {sweep.name}: two members expand to the key {key!r}; "
-                        "rename a member or change the grid values"
-                    )
-                seen[key] = name
-                seed_over = [f"{k}={seed}" for k in sweep.seed_keys]
-                own = (*vover, *grid_over)
-                out.append(
-                    Member(
-                        key=key,
-                        name=name,
-                        seed=seed,
-                        overrides=(*sweep.overrides, *own, *seed_over),
-                        index=len(out),
-                        own_overrides=own,
-                    )
-                )
-    return out
-
-
-def validate_members(
-    sweep: SweepConfig, members: Iterable[Member]
-) -> tuple[dict[str, RagenConfig], dict[str, str]]:
-    """Load every member's config before anything runs: (configs of the valid ones, errors of the
-    others), both by member key. One impossible member never stops the others."""
-    from ragen_core.config import load_config
-
-    configs: dict[str, RagenConfig] = {}
-    errors: dict[str, str] = {}
-    for m in members:
-        try:
-            configs[m.key] = load_config(sweep.base, m.overrides)
-        except Exception as exc:  # ConfigError, or anything an override can break
-            errors[m.key] = str(exc) if str(exc) else type(exc).__name__
-    return configs, errors
-
-
-def sweep_hash(sweep: SweepConfig) -> str:
-    """Digest of what the members' results depend on: the base config's text and the definition
-    (not ``concurrency``, ``compare`` or ``description``). A changed definition is a new sweep."""
-    base_text = Path(sweep.base).read_text() if Path(sweep.base).is_file() else sweep.base
-    blob = json.dumps(
-        {
-            "base": base_text,
-            **sweep.model_dump(
-                mode="json", include={"name", "overrides", "grid", "members", "seeds", "seed_keys"}
-            ),
-        },
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:10]
-
-
-# ------------------------------------------------------------------------------------ state
-MemberStatus = Literal["pending", "running", "finished", "failed"]
-
-
-class MemberState(BaseModel):
-    """What the sweep knows of one member (``state.json``)."""
-
-    status: MemberStatus = "pending"
-    run_id: str | None = None  # ragen run id
-    run_dir: str | None = None
-    mlflow_run_id: str | None = None
-    attempts: int = 0
-    error: str | None = None
-    last_iteration: int | None = None
-    updated: float = Field(default_factory=time.time)
-
-
-class SweepState(BaseModel):
-    """``<state>/sweeps/<name>-<hash>/state.json``: the parent run and each member's run."""
-
-    name: str
-    hash: str
-    sweep_file: str
-    parent_run_id: str | None = None
-    members: dict[str, MemberState] = Field(default_factory=dict)
-
-    @staticmethod
-    def folder(state_dir: str | os.PathLike[str], sweep: SweepConfig) -> Path:
-        return Path(state_dir) / "sweeps" / f"{sweep.name}-{sweep_hash(sweep)}"
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> SweepState | None:
-        p = Path(path)
-        return cls.model_validate_json(p.read_text()) if p.is_file() else None
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, p)
-
-
-# ------------------------------------------------------------------------------------ report
 class MetricSummary(BaseModel):
+    """One metric of one member: its last value and its best one, with their iterations."""
+
     final: float
     final_step: int
     peak: float
@@ -338,6 +56,8 @@ class MetricSummary(BaseModel):
 
 
 class MemberResult(BaseModel):
+    """One member (child run) as the report shows it."""
+
     key: str
     group: str
     seed: int | None
@@ -355,6 +75,8 @@ class MemberResult(BaseModel):
 
 
 class Stat(BaseModel):
+    """Mean ± std of one number over a group's seeds."""
+
     mean: float
     std: float  # sample std (n-1) over seeds; 0 for one seed
     n: int
@@ -371,6 +93,8 @@ class Stat(BaseModel):
 
 
 class GroupResult(BaseModel):
+    """One group (a member without its seed): its numbers over the finished seeds."""
+
     name: str
     members: list[str]
     seeds: list[int | None]
@@ -388,6 +112,8 @@ class GroupResult(BaseModel):
 
 
 class Report(BaseModel):
+    """The whole comparison (``report.json``); ``write`` also renders ``report.md`` and the curves."""
+
     sweep: str
     description: str = ""
     parent_run_id: str
@@ -428,6 +154,7 @@ def _short(key: str) -> str:
 
 
 def _markdown(r: Report, plots: Sequence[str]) -> str:
+    """``report.md``: groups, members, failures, and the curves (``plots``: PNG names beside it)."""
     lines = [f"# Sweep `{r.sweep}`", ""]
     if r.description:
         lines += [r.description.strip(), ""]
@@ -503,10 +230,9 @@ def _parse_param(raw: str) -> Any:
         return raw
 
 
-def _monitor_from_params(params: Mapping[str, str], fallback: MonitorConfig | None) -> MonitorConfig:
-    """The child's own monitor thresholds (its ``monitor.*`` params), else ``fallback`` / defaults."""
-    from ragen_core.monitor import MonitorConfig
-
+def monitor_from_params(params: Mapping[str, str], fallback: MonitorConfig | None) -> MonitorConfig:
+    """``fallback`` when given, else the child's own monitor thresholds (its ``monitor.*`` params),
+    else the defaults: each member is judged by the thresholds it trained with."""
     if fallback is not None:
         return fallback
     values = {
@@ -532,8 +258,6 @@ def summarize_series(points: Sequence[tuple[int, float]]) -> MetricSummary | Non
 
 def resolve_compare(patterns: Sequence[str], available: Iterable[str]) -> list[str]:
     """Metric keys matching ``patterns`` (exact names first, in pattern order; globs sorted)."""
-    from ragen_core.tracking import metric_key
-
     avail = set(available)
     out: list[str] = []
     for pat in patterns:
@@ -544,11 +268,7 @@ def resolve_compare(patterns: Sequence[str], available: Iterable[str]) -> list[s
 
 
 def _tracker_for(source: str | Tracker) -> Tracker:
-    from ragen_core.tracking import Tracker, TrackingConfig
-
     if isinstance(source, str):
-        from ragen_core.state_folder import state_dir
-
         return Tracker(TrackingConfig(tracking_uri=source), state_dir())
     return source
 
@@ -582,18 +302,16 @@ def build_report(
     """The comparison report of a sweep, from MLflow alone (see the module docstring).
 
     ``source``: a tracking URI or a ``Tracker``. ``compare``: metric keys / globs (default: the
-    parent's ``ragen.sweep.compare`` tag, else ``DEFAULT_COMPARE``). ``monitor``: Echo-Trap
-    thresholds (default: each child's own ``monitor.*`` params).
+    sweep file's ``compare``, kept in the parent's ``COMPARE_TAG``, else ``DEFAULT_COMPARE``).
+    ``monitor``: Echo-Trap thresholds (default: each child's own ``monitor.*`` params).
     """
-    from ragen_core.monitor import detect
-
     tracker = _tracker_for(source)
     client = tracker.client
     parent = client.get_run(parent_run_id)
     ptags = parent.data.tags
     default = False
     if compare is None:
-        raw = ptags.get("ragen.sweep.compare")
+        raw = ptags.get(COMPARE_TAG)
         compare = json.loads(raw) if raw else list(DEFAULT_COMPARE)
         default = list(compare) == DEFAULT_COMPARE
     runs = child_runs(tracker, parent_run_id)
@@ -614,7 +332,7 @@ def build_report(
         tags, hist = run.data.tags, histories[key]
         seed_raw = tags.get(SEED_TAG)
         status = run.info.status
-        sigs = detect(hist, _monitor_from_params(run.data.params, monitor)) if hist else []
+        sigs = detect(hist, monitor_from_params(run.data.params, monitor)) if hist else []
         start, end = run.info.start_time, run.info.end_time
         iters = hist.get(ITERATION_KEY)
         tokens = hist.get(TOKENS_KEY)
@@ -665,7 +383,7 @@ def build_report(
         groups.append(g)
     return Report(
         sweep=ptags.get(SWEEP_TAG, parent.info.run_name or ""),
-        description=ptags.get("ragen.sweep.description", ""),
+        description=ptags.get(DESCRIPTION_TAG, ""),
         parent_run_id=parent_run_id,
         tracking_uri=tracker.tracking_uri,
         compare=keys,
@@ -704,9 +422,8 @@ _TITLES = {
 def render_curves(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Overlaid group curves like the paper's figures 5-11 (``ragen_core.plotting``): one PNG per
     compare key (validation success, drawn raw) and per training statistic (an EMA over the faint raw
-    mean), the std over seeds shaded, plus ``overview.png``."""
-    from ragen_core.plotting import render_group_curves
-    from ragen_core.tracking import metric_key
+    mean), the std over seeds shaded, plus ``overview.png``. Only the panels are chosen here: the
+    drawing is ``ragen_core.plotting``'s, shared with a single run's plots."""
 
     def stem(key: str) -> str:
         return f"curve_{slug(metric_key(key).replace('/', '_'))}"
