@@ -72,7 +72,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Strict types on ragen_core/algorithms and ragen_core/learner.py (config: [tool.mypy] in pyproject.toml).
+# Strict types on ragen_core/algorithms and the learner (learner.py, learner_config.py, critic.py,
+# checkpoint.py; config: [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(BIN)/mypy
 

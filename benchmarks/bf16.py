@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.learner import AlgorithmConfig, Learner, LearnerConfig, OptimConfig
+from ragen_core.learner import Learner
+from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.models import load_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, SamplingParams

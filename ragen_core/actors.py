@@ -37,8 +37,10 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ragen_core.learner import Learner, LearnerConfig
+from ragen_core.learner import Learner
+from ragen_core.learner_config import LearnerConfig
 from ragen_core.state_folder import state_dir
+from ragen_core.trajectory import TokenBatch
 
 __all__ = [
     "LearnerActor",
@@ -245,7 +247,7 @@ class LearnerWorker:
         return sum(p.numel() for p in self.learner.policy.parameters())
 
     # -- work
-    def step(self, batch: Any, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
+    def step(self, batch: TokenBatch, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
         assert self.learner is not None
         return self.learner.step(batch, turn_scores)
 
@@ -377,7 +379,7 @@ class LearnerGroup:
             self.shutdown()
             raise
 
-    def step(self, batch: Any, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
+    def step(self, batch: TokenBatch, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
         """One learner step on the whole (filtered) batch; returns rank 0's (global) metrics."""
         ref = ray.put(batch)
         return _get_all([a.step.remote(ref, turn_scores) for a in self.actors])[0]

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ragen_core.algorithms import kept_group_count
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.learner import LearnerConfig
+from ragen_core.learner_config import LearnerConfig
 from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig

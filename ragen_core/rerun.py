@@ -98,7 +98,7 @@ def rerun_stage(
                 if same
                 else ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"),
             )
-        from ragen_core.learner import CheckpointError, verify_checkpoint
+        from ragen_core.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
         kept = run.read_json(run.filter_file(k))["kept_rows"]

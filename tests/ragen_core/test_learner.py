@@ -1,30 +1,22 @@
-"""Learner: micro-batch independence, toy-task learning, checkpoints, bad input, LoRA."""
+"""Learner: micro-batch independence, metrics, bad input, toy-task learning, LoRA.
+
+The helpers here (a tiny Qwen2 policy, a learner config, random batches) serve the checkpoint, critic
+and learner-actor tests too.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ragen_core.algorithms import entropy_from_logits, select_groups
-from ragen_core.learner import (
-    AlgorithmConfig,
-    BadBatchError,
-    CheckpointError,
-    Learner,
-    LearnerConfig,
-    OptimConfig,
-)
+from ragen_core.learner import BadBatchError, Learner
+from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.trajectory import TokenBatch
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 16
 ANSWERS = (5, 6)  # the two answer tokens of the toy task
 
@@ -136,50 +128,6 @@ def weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
-# ------------------------------------------------------------------------------------------ config
-
-
-def test_config_defaults_match_spec():
-    cfg = LearnerConfig()
-    a, o = cfg.algorithm, cfg.optim
-    assert (a.adv_estimator, a.gamma, a.lam, a.bi_level_gae, a.high_level_gamma) == (
-        "gae",
-        1.0,
-        1.0,
-        False,
-        0.95,
-    )
-    assert (a.clip_low, a.clip_high, a.dual_clip, a.value_clip) == (0.2, 0.28, 3.0, 0.5)
-    assert (a.loss_agg_mode, a.entropy_coeff, a.use_kl_loss, a.kl_loss_coef, a.kl_loss_type) == (
-        "token-mean",
-        0.001,
-        False,
-        0.0,
-        "k1",
-    )
-    assert (a.use_kl_in_reward, a.kl_coef, a.norm_adv_by_std, a.whiten_advantages) == (False, 0.0, True, True)
-    assert (o.actor_lr, o.critic_lr, o.weight_decay, o.betas, o.grad_clip) == (
-        1e-6,
-        1e-5,
-        0.01,
-        (0.9, 0.999),
-        1.0,
-    )
-    assert (o.ppo_epochs, o.mini_batch_size, o.micro_batch_size, o.critic) == (1, 32, 4, "separate")
-    assert (cfg.num_gpus, cfg.num_cpus, cfg.bf16_autocast_on_gpu) == (0, 1, True)
-
-
-def test_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="extra"):
-        LearnerConfig.model_validate({"optim": {"mini_batchsize": 3}})
-    with pytest.raises(ValueError, match="bi_level_gae"):
-        AlgorithmConfig(adv_estimator="grpo", bi_level_gae=True)
-    with pytest.raises(ValueError, match="loss_agg_mode"):
-        AlgorithmConfig(loss_agg_mode="sum")
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        OptimConfig(micro_batch_size=0)
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -402,70 +350,7 @@ def test_toy_task_is_learnt(name, estimator, filter_ratio):
     assert steps <= 60, f"{name} did not reach p(good) >= 0.9 in 60 steps (p={p_final:.3f})"
 
 
-# ------------------------------------------------------------------------------------------ checkpoints
-
-_RESUME_SCRIPT = """
-import sys, torch
-torch.set_num_threads(1)
-from tests.ragen_core.test_learner import resume_and_step
-resume_and_step(sys.argv[1], sys.argv[2])
-"""
-
-
-def _ckpt_cfg() -> LearnerConfig:
-    return make_cfg(use_kl_loss=True, kl_loss_coef=0.05, optim={"shuffle": True})
-
-
-def resume_and_step(ckpt: str, out: str) -> None:
-    """Run in a fresh process: build a learner from a *different* init, load, take step 2, save weights."""
-    learner = Learner(tiny_policy(seed=99), _ckpt_cfg())
-    info = learner.load_checkpoint(ckpt)
-    assert info["iteration"] == 1 and info["extra"] == {"note": "x"}, info
-    noise = torch.rand(3)  # the restored RNG continues where the saved one stood
-    learner.step(random_batch(8, seed=11))
-    torch.save(
-        {
-            "policy": weights(learner.policy),
-            "critic": weights(learner.critic),
-            "noise": noise,
-            "step": learner.global_step,
-        },
-        out,
-    )
-
-
-def test_checkpoint_resume_in_new_process_is_bitwise(tmp_path):
-    learner = Learner(tiny_policy(seed=0), _ckpt_cfg())
-    learner.step(random_batch(8, seed=10))
-    torch.manual_seed(1234)
-    learner.save_checkpoint(tmp_path / "ckpt", iteration=1, extra={"note": "x"})
-    noise = torch.rand(3)
-    learner.step(random_batch(8, seed=11))
-
-    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert files == ["critic.safetensors", "manifest.json", "optim.pt", "policy", "rng.pt"]
-    assert (tmp_path / "ckpt" / "policy" / "model.safetensors").exists()
-    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
-    assert manifest["iteration"] == 1 and manifest["signature"]["architecture"] == "Qwen2ForCausalLM"
-
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "resumed.pt"
-    proc = subprocess.run(
-        [sys.executable, "-c", _RESUME_SCRIPT, str(tmp_path / "ckpt"), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = torch.load(out, weights_only=True)
-    assert resumed["step"] == learner.global_step == 2
-    assert torch.equal(resumed["noise"], noise)
-    for name, module in (("policy", learner.policy), ("critic", learner.critic)):
-        mine = weights(module)
-        assert mine.keys() == resumed[name].keys()
-        assert all(torch.equal(mine[k], resumed[name][k]) for k in mine), name
+# ------------------------------------------------------------------------------------------ loading
 
 
 def test_from_pretrained(tmp_path):
@@ -473,28 +358,6 @@ def test_from_pretrained(tmp_path):
     learner = Learner.from_pretrained(tmp_path / "model", make_cfg(adv_estimator="grpo"))
     assert max_diff(weights(learner.policy), weights(tiny_policy(seed=3))) == 0.0
     assert math.isfinite(learner.step(random_batch(8))["actor/pg_loss"])
-
-
-def test_checkpoint_replaces_atomically_and_rejects_another_model(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    learner = Learner(tiny_policy(), make_cfg())
-    learner.save_checkpoint(ckpt, iteration=1)
-    learner.step(random_batch(8))
-    learner.save_checkpoint(ckpt, iteration=2)  # replaces the existing directory
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert json.loads((ckpt / "manifest.json").read_text())["iteration"] == 2
-
-    other = Learner(tiny_policy(hidden=32), make_cfg())
-    before = weights(other.policy)
-    with pytest.raises(CheckpointError, match="another model"):
-        other.load_checkpoint(ckpt)
-    assert max_diff(before, weights(other.policy)) == 0.0 and other.global_step == 0
-    no_critic = Learner(tiny_policy(), make_cfg(adv_estimator="grpo"))
-    with pytest.raises(CheckpointError, match="critic"):
-        no_critic.load_checkpoint(ckpt)
-    with pytest.raises(CheckpointError, match="not a learner checkpoint"):
-        learner.load_checkpoint(tmp_path / "missing")
-    assert json.loads((ckpt / "manifest.json").read_text())["iteration"] == 2  # nothing overwritten
 
 
 # ------------------------------------------------------------------------------------------ LoRA
@@ -521,124 +384,3 @@ def test_lora_trains_adapter_only_and_checkpoints(tmp_path):
     fresh = Learner(tiny_policy(), cfg)
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert max_diff(weights(fresh.policy), after) == 0.0
-
-
-# ------------------------------------------------------------------------- checkpoint integrity
-
-
-def _xor(path: Path, offset: int, n: int) -> None:
-    data = bytearray(path.read_bytes())
-    for i in range(offset, min(offset + n, len(data))):
-        data[i] ^= 0x5A
-    path.write_bytes(bytes(data))
-
-
-def test_checkpoint_manifest_digests_every_file_and_load_refuses_a_damaged_one(tmp_path):
-    import hashlib
-
-    from ragen_core.learner import manifest_digest
-
-    ckpt = tmp_path / "ckpt"
-    learner = Learner(tiny_policy(), make_cfg())
-    learner.step(random_batch(8))
-    learner.save_checkpoint(ckpt, iteration=5)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    written = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
-    assert sorted(manifest["files"]) == [f for f in written if f != "manifest.json"]
-    assert all(hashlib.sha256((ckpt / f).read_bytes()).hexdigest() == d for f, d in manifest["files"].items())
-    assert manifest["manifest_sha256"] == manifest_digest(manifest)
-
-    fresh = Learner(tiny_policy(seed=1), make_cfg())
-    before = weights(fresh.policy)
-    _xor(ckpt / "policy" / "model.safetensors", 4096, 4096)  # still a loadable safetensors file
-    with pytest.raises(
-        CheckpointError,
-        match=r"policy/model\.safetensors: corrupt file: .*iteration 5 .*"
-        r"Restore .*ckpt from a copy",
-    ):
-        fresh.load_checkpoint(ckpt)
-    assert max_diff(before, weights(fresh.policy)) == 0.0 and fresh.global_step == 0  # nothing loaded
-
-    # The manifest covers itself: an edited iteration number is caught too.
-    _xor(ckpt / "policy" / "model.safetensors", 4096, 4096)  # undo
-    fresh.load_checkpoint(ckpt)
-    edited = {**manifest, "iteration": 6}
-    (ckpt / "manifest.json").write_text(json.dumps(edited))
-    with pytest.raises(CheckpointError, match=r"manifest\.json: corrupt manifest: .*manifest_sha256"):
-        fresh.load_checkpoint(ckpt)
-
-
-def test_checkpoint_without_digests_still_names_a_truncated_file(tmp_path):
-    """Checkpoints from before digests: a truncated weights file is named, not just its folder."""
-    ckpt = tmp_path / "ckpt"
-    learner = Learner(tiny_policy(), make_cfg())
-    learner.save_checkpoint(ckpt, iteration=1)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    for key in ("files", "manifest_sha256"):
-        manifest.pop(key)
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    for name in ("critic.safetensors", "policy/model.safetensors"):
-        f = ckpt / name
-        data = f.read_bytes()
-        f.write_bytes(data[: len(data) // 2])
-        with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}: .*truncated or corrupt"):
-            Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)
-        f.write_bytes(data)
-
-
-def test_checkpoint_on_a_full_disk_names_it_and_keeps_the_previous_one(tmp_path, monkeypatch):
-    import errno
-
-    from ragen_core.storage import StorageWriteError
-
-    ckpt = tmp_path / "ckpt"
-    learner = Learner(tiny_policy(), make_cfg())
-    learner.save_checkpoint(ckpt, iteration=1)
-
-    def no_space(fd: int) -> None:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "fsync", no_space)
-    with pytest.raises(
-        StorageWriteError,
-        match=rf"^{ckpt}: cannot write the checkpoint: No space left on device; "
-        "free disk space or choose another trainer.run_root",
-    ):
-        learner.save_checkpoint(ckpt, iteration=2)
-    monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    assert Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)["iteration"] == 1
-
-
-@pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
-def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path, monkeypatch):
-    """On a real full disk safetensors raised SafetensorError("... (os error 28)") and torch.save a
-    RuntimeError("... unexpected pos N vs M"): neither is an OSError, and the run ended in an
-    "internal error". Both now name the checkpoint and the fix."""
-    import shutil
-    from collections import namedtuple
-
-    from ragen_core.storage import StorageWriteError
-
-    learner = Learner(tiny_policy(), make_cfg())
-    if writer == "safetensors":
-
-        def fail(*args, **kwargs):
-            raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-        monkeypatch.setattr(type(learner.policy), "save_pretrained", fail)
-    else:
-
-        def fail(*args, **kwargs):
-            raise RuntimeError(
-                "[enforce fail at inline_container.cc:672] . unexpected pos 927546496 vs 927546388"
-            )
-
-        usage = namedtuple("usage", "total used free")
-        monkeypatch.setattr(torch, "save", fail)
-        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
-    with pytest.raises(
-        StorageWriteError, match="cannot write the checkpoint: No space left on device; free disk"
-    ):
-        learner.save_checkpoint(tmp_path / "ckpt", iteration=1)
-    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,175 @@
+"""The learner's config: advantage estimator and losses, optimisers and batching, LoRA.
+
+``LearnerConfig`` is the ``learner`` section of a run's config (``ragen_core.config``). It lives apart
+from the learner so that reading or checking a config needs no model code; its defaults are RAGEN's
+``base.yaml`` (else veRL's), see docs/architecture.md, "Learner step".
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ragen_core.algorithms import AGG_MODES, KL_KINDS
+
+__all__ = ["AlgorithmConfig", "LearnerConfig", "LoraConfig", "OptimConfig"]
+
+
+class AlgorithmConfig(BaseModel):
+    """Advantage estimator, losses and KL terms (defaults of RAGEN's base.yaml; docs/architecture.md,
+    "Learner step")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        default="gae",
+        description="gae: PPO with a critic; grpo: group-normalised score; rloo: leave-one-out "
+        "baseline; reinforce_pp: REINFORCE++ (whitened discounted returns, no critic)",
+    )
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="discount over trained tokens")
+    lam: float = Field(default=1.0, ge=0.0, le=1.0, description="GAE lambda")
+    bi_level_gae: bool = Field(
+        default=False, description="turn-level GAE (needs adv_estimator=gae); turns from turn_index"
+    )
+    high_level_gamma: float = Field(
+        default=0.95, ge=0.0, le=1.0, description="discount across turns for bi-level GAE"
+    )
+    norm_adv_by_std: bool = Field(
+        default=True,
+        description="GRPO: divide by the group std (+1e-6). With shaped rewards (Sokoban's -0.1 per step) this "
+        "scales the small differences inside all-fail groups up to full-size advantages (measured: the policy "
+        "learns to act less); false is Dr. GRPO's unscaled advantage",
+    )
+    whiten_advantages: bool = Field(
+        default=True, description="gae / bi-level gae: whiten advantages over the batch's trained tokens"
+    )
+    clip_low: float = Field(default=0.2, gt=0.0, lt=1.0, description="PPO ratio clip below: 1 - clip_low")
+    clip_high: float = Field(default=0.28, gt=0.0, description="PPO ratio clip above: 1 + clip_high")
+    dual_clip: float | None = Field(
+        default=3.0, description="dual-clip constant c (> 1) for negative advantages; None disables"
+    )
+    value_clip: float | None = Field(
+        default=0.5, gt=0.0, description="critic value clip around the old values; None disables"
+    )
+    loss_agg_mode: str = Field(
+        default="token-mean",
+        description="token-mean (over all trained tokens of the mini-batch), seq-mean-token-mean "
+        "(RAGEN's effective aggregation), seq-mean-token-sum",
+    )
+    entropy_coeff: float = Field(default=0.001, ge=0.0, description="entropy bonus coefficient")
+    use_kl_loss: bool = Field(default=False, description="add kl_loss_coef x KL(pi || ref) to the actor loss")
+    kl_loss_coef: float = Field(default=0.0, ge=0.0, description="coefficient of the KL loss")
+    kl_loss_type: str = Field(default="k1", description="KL estimator of the KL loss: k1, abs, k2, k3")
+    use_kl_in_reward: bool = Field(
+        default=False, description="subtract kl_coef x KL(pi_old || ref) from every trained token's reward"
+    )
+    kl_coef: float = Field(default=0.0, ge=0.0, description="coefficient of the in-reward KL penalty")
+    kl_in_reward_type: str = Field(default="k1", description="KL estimator of the in-reward penalty")
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _agg(cls, v: str) -> str:
+        if v not in AGG_MODES:
+            raise ValueError(f"algorithm.loss_agg_mode={v!r} is unknown; use one of {', '.join(AGG_MODES)}")
+        return v
+
+    @field_validator("kl_loss_type", "kl_in_reward_type")
+    @classmethod
+    def _kl(cls, v: str) -> str:
+        if v not in KL_KINDS:
+            raise ValueError(f"unknown KL estimator {v!r}; use one of {', '.join(KL_KINDS)}")
+        return v
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual(cls, v: float | None) -> float | None:
+        if v is not None and v <= 1.0:
+            raise ValueError(f"algorithm.dual_clip must be > 1 (or null to disable), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _combos(self) -> AlgorithmConfig:
+        if self.bi_level_gae and self.adv_estimator != "gae":
+            raise ValueError(
+                f"algorithm.bi_level_gae=true needs algorithm.adv_estimator=gae (got {self.adv_estimator!r})"
+            )
+        return self
+
+    @property
+    def use_critic(self) -> bool:
+        return self.adv_estimator == "gae"
+
+    @property
+    def use_ref(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+
+class OptimConfig(BaseModel):
+    """Optimisers and batching (veRL defaults; docs/architecture.md, "Learner step")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    actor_lr: float = Field(default=1e-6, gt=0.0, description="actor AdamW learning rate (constant)")
+    critic_lr: float = Field(default=1e-5, gt=0.0, description="critic AdamW learning rate (constant)")
+    weight_decay: float = Field(default=0.01, ge=0.0, description="AdamW weight decay (actor and critic)")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas")
+    eps: float = Field(default=1e-8, gt=0.0, description="AdamW epsilon")
+    grad_clip: float = Field(default=1.0, gt=0.0, description="max global L2 gradient norm")
+    ppo_epochs: int = Field(default=1, ge=1, description="passes over the batch per step")
+    mini_batch_size: int = Field(
+        default=32,
+        ge=1,
+        description="trajectories per optimiser step (whole data-parallel group); the batch is cut "
+        "into floor(B / mini_batch_size) contiguous mini-batches of near-equal size",
+    )
+    micro_batch_size: int = Field(
+        default=4, ge=1, description="sequences per forward/backward pass on one learner (memory only)"
+    )
+    shuffle: bool = Field(
+        default=False, description="shuffle rows before each epoch (seeded by learner.seed)"
+    )
+    old_logprobs_from_update: bool = Field(
+        default=False,
+        description="when a step makes a single update (ppo_epochs 1, one mini-batch, one learner, no KL in the "
+        "reward), take the old log-probs from that update's own forward pass (detached: ratio 1, the same "
+        "gradient) instead of a separate no-grad pass over the batch: one forward pass fewer per step",
+    )
+    critic: Literal["separate", "shared_backbone"] = Field(
+        default="separate",
+        description="separate: a copy of the policy backbone (or critic_model_path) + a fresh scalar "
+        "head, trained with critic_lr; shared_backbone: a scalar head on the policy's own (detached) "
+        "last hidden state, only the head is trained",
+    )
+    critic_model_path: str | None = Field(
+        default=None, description="separate critic: load its backbone from this path instead of the policy"
+    )
+
+
+class LoraConfig(BaseModel):
+    """LoRA on the policy through peft (rank 0 = off). The reference policy is then the adapter-disabled model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(default=0, ge=0, description="LoRA rank; 0 trains all weights")
+    alpha: int = Field(default=16, ge=1, description="LoRA alpha (scale alpha / rank)")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    target_modules: str | list[str] = Field(
+        default="all-linear", description="peft target_modules: 'all-linear' or module names"
+    )
+
+
+class LearnerConfig(BaseModel):
+    """Everything the learner needs besides the models."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="estimator and losses")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimisers and batching")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA (off by default)")
+    num_gpus: float = Field(default=0, ge=0, description="GPUs per learner actor: 0 on CPU, 1 on a GPU node")
+    num_cpus: float = Field(default=1, gt=0, description="CPUs per learner actor")
+    bf16_autocast_on_gpu: bool = Field(
+        default=True, description="bf16 autocast for forward passes on GPU (weights stay fp32)"
+    )
+    seed: int = Field(default=0, description="seeds the critic head's initialisation and the shuffle")
