@@ -36,6 +36,16 @@ class ConfigError(RagenError, ValueError):
     """A config that cannot run: the message names the key and the fix."""
 
 
+#: Keys that earlier versions had and that this one removed, with what to set instead. A run's stored
+#: config.yaml still holds them (every field was written out), so ``load_config(..., stored=True)``
+#: drops them; a config someone writes with one is refused with this fix.
+REMOVED_KEYS: dict[tuple[str, ...], str] = {
+    # The pipeline always wrote the demonstrations in the run's agent protocol; this copy was unused.
+    ("sft", "protocol"): "removed: the warm start writes its demonstrations in the run's agent protocol; "
+    "set agent.* instead (e.g. agent.enable_think)",
+}
+
+
 def tag_problems(tags: Iterable[str], key: str) -> list[str]:
     """One message per tag of ``tags`` (the value of config key or option ``key``) that no catalogue
     entry, plug-in or run-time registration provides, with the closest known tags."""
@@ -242,7 +252,10 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not isinstance(p, int))
         key = ".".join(str(p) for p in loc) or "(config)"
-        if err["type"] == "extra_forbidden":
+        removed = REMOVED_KEYS.get(tuple(map(str, loc)))
+        if err["type"] == "extra_forbidden" and removed is not None:
+            lines.append(f"{key}: {removed}")
+        elif err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
             hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
             lines.append(f"{key}: unknown key{hint}")
@@ -254,8 +267,30 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
     return ConfigError(f"invalid config {source}:\n  " + "\n  ".join(lines))
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RagenConfig:
-    """Load a YAML config (or the defaults) and apply ``KEY=VALUE`` overrides."""
+def _drop_removed(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the :data:`REMOVED_KEYS` an earlier version wrote (a copy; ``data`` is kept)."""
+    out = dict(data)
+    for path in REMOVED_KEYS:
+        node: Any = out
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            node[key] = dict(node[key])  # copy the path down, so the caller's dicts are not changed
+            node = node[key]
+        else:
+            node.pop(path[-1], None)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Iterable[str] = (), *, stored: bool = False
+) -> RagenConfig:
+    """Load a YAML config (or the defaults) and apply ``KEY=VALUE`` overrides.
+
+    ``stored``: ``path`` is a run's own config.yaml, maybe written by an earlier version; keys that
+    version wrote and this one removed (:data:`REMOVED_KEYS`) are dropped from the file (not from
+    ``overrides``), so old runs still load, resume and rerun.
+    """
     data: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
@@ -279,6 +314,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)
+        if stored:
+            data = _drop_removed(data)
     data = _merge(data, parse_overrides(overrides))
     try:
         return RagenConfig.model_validate(data)

@@ -34,6 +34,18 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ragen_core.protocol import (
+    ProtocolConfig,
+    TurnRecord,
+    first_user_content,
+    instruction_prefix,
+    join_actions,
+    normalized_response,
+    reward_content,
+    system_content,
+    turn_content,
+)
+
 log = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
@@ -224,34 +236,12 @@ _THOUGHTS = (
     "The answer is the number that satisfies the equation.",
     "I am not sure, so I will explore.",
 )
-_FMT_THINK = "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
-_FMT_NOTHINK = "<answer> [your answer] </answer>"
 
 
-def _turn_text(t: int, state: str, actions_left: int, max_tokens: int, think: bool) -> str:
-    fmt = _FMT_THINK if think else _FMT_NOTHINK
-    return (
-        f"\nTurn {t}:\nState:\n{state}\nYou have {actions_left} actions left. Always output: {fmt} "
-        f"with no extra text. Strictly follow this format. Max response length: {max_tokens} words "
-        "(tokens).\n"
-    )
-
-
-def _tag_prefix(spec: Any, env: Any) -> str:
-    text = spec.env_instruction or ""
-    vocab = getattr(env, "grid_vocab", None)
-    if vocab:
-        text += "\nThe meaning of each symbol in the state is:\n" + ", ".join(
-            f"{k}: {v}" for k, v in vocab.items()
-        )
-    actions = getattr(env, "actions", None)
-    if actions:
-        text += "\nYour available actions are:\n" + ", ".join(actions)
-        text += (
-            f"\nYou can make up to {spec.max_actions_per_traj} actions, separated by the action separator"
-            ' " || "\n'
-        )
-    return text
+def _protocol(think: bool) -> ProtocolConfig:
+    """The prompt settings of the corpus: RAGEN's defaults, so that the tokenizer depends on the model
+    config alone and not on a run's ``agent`` settings."""
+    return ProtocolConfig(enable_think=think)
 
 
 def _cells_apart(state: str) -> str:
@@ -278,31 +268,26 @@ def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = F
     try:
         for seed in range(n_seeds):
             state = render(env.reset(seed))
-            prefix = _tag_prefix(spec, env)
             budget = spec.max_actions_per_traj
-            think = seed % 2 == 0
+            cfg = _protocol(think=seed % 2 == 0)
+            first = TurnRecord(state=state, actions_left=budget)
+            # System and first user message as one text (no chat framing around them).
             text = (
-                "You're a helpful assistant. \n"
-                + prefix
-                + _turn_text(1, state, budget, spec.max_tokens, think)
+                system_content(cfg)
+                + "\n"
+                + first_user_content(instruction_prefix(spec, env, cfg), first, 1, cfg, spec.max_tokens)
             )
             actions = list(env.actions) if env.actions else None
             for t in range(2, 2 + min(budget, 3)):
                 if actions:
                     chosen = rng.sample(actions, k=min(len(actions), rng.randint(1, 3)))
-                    answer = " || ".join(chosen)
+                    answer = join_actions(chosen, cfg)
                 else:
                     answer = str(rng.randint(1, 100))
                     for _ in range(rng.randint(1, 3)):
                         answer += f" {rng.choice('+-*/')} {rng.randint(1, 100)}"
                     chosen = [answer]
-                thought = rng.choice(_THOUGHTS)
-                response = (
-                    f"<think>{thought}</think><answer>{answer}</answer>"
-                    if think
-                    else f"<answer>{answer}</answer>"
-                )
-                out.append(response)
+                out.append(normalized_response(rng.choice(_THOUGHTS), answer, cfg))
                 reward = 0.0
                 done = False
                 for a in chosen:
@@ -311,10 +296,11 @@ def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = F
                     if res.done:
                         done = True
                         break
-                out.append(f"Reward:\n{round(reward, 2)}\n")
+                out.append(reward_content(reward))
                 if done:
                     break
-                text += _turn_text(t, render(env.render()), budget - t + 1, spec.max_tokens, think)
+                record = TurnRecord(state=render(env.render()), actions_left=budget - t + 1)
+                text += turn_content(record, t, cfg, spec.max_tokens)
             out.append(text)
     finally:
         env.close()
@@ -343,8 +329,9 @@ def env_corpus(
         corpus.extend(_tag_texts(tag, n_seeds, rng, cell_tokens))
     corpus.extend(str(i) for i in range(1000))
     corpus.extend(f"{rng.uniform(-1, 1):.2f} {rng.randint(0, 10000)}" for _ in range(200))
+    system = system_content(_protocol(think=True))
     corpus.extend(
-        f"{IM_START}system\nYou're a helpful assistant. {IM_END}\n{IM_START}user\n{t}{IM_END}\n{IM_START}assistant\n"
+        f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{t}{IM_END}\n{IM_START}assistant\n"
         for t in _THOUGHTS
     )
     corpus.extend(_THOUGHTS)

@@ -33,7 +33,9 @@ __all__ = [
     "format_hint",
     "format_reward",
     "instruction_prefix",
+    "join_actions",
     "next_user_content",
+    "normalized_response",
     "parse_response",
     "reward_content",
     "state_content",
@@ -158,6 +160,19 @@ def format_hint(cfg: ProtocolConfig) -> str:
     if cfg.enable_think:
         return "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
     return "<answer> [your answer] </answer>"
+
+
+def join_actions(actions: Sequence[str], cfg: ProtocolConfig) -> str:
+    """Actions as one answer, written with the separator the instruction prefix announces."""
+    return f" {cfg.action_sep} ".join(actions)
+
+
+def normalized_response(think: str, answer: str, cfg: ProtocolConfig) -> str:
+    """A reply in the normalised form :func:`parse_response` writes (the form training shows):
+    the tags with no blanks between them, and no think part when thinking is off."""
+    if cfg.enable_think:
+        return f"<think>{think}</think><answer>{answer}</answer>"
+    return f"<answer>{answer}</answer>"
 
 
 @dataclass
@@ -396,7 +411,7 @@ def _parse(text: str, cfg: ProtocolConfig, valid_actions: Sequence[str] | None) 
     n_truncated = max(0, len(items) - cfg.max_actions_per_turn)
     if n_truncated:
         items = items[: cfg.max_actions_per_turn]
-        answer = f" {cfg.action_sep} ".join(items)
+        answer = join_actions(items, cfg)
 
     if valid_actions is None:
         actions = list(items)
@@ -407,16 +422,12 @@ def _parse(text: str, cfg: ProtocolConfig, valid_actions: Sequence[str] | None) 
         n_dropped = len(items) - len(actions)
     format_ok = bool(items) and n_dropped == 0
 
-    if cfg.enable_think:
-        normalized = f"<think>{think}</think><answer>{answer}</answer>"
-    else:
-        normalized = f"<answer>{answer}</answer>"
     return ParsedResponse(
         think=think,
         answer=answer,
         actions=actions,
         format_ok=format_ok,
-        normalized=normalized,
+        normalized=normalized_response(think, answer, cfg),
         n_dropped=n_dropped,
         matched=True,
         raw_actions=items,

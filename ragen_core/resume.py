@@ -54,7 +54,10 @@ def resume_config(
     overrides = list(overrides)
     if config is None and not overrides:
         return stored, {}
-    given = load_config(config if config is not None else run_root / "config.yaml", overrides)
+    if config is None:  # the run's own config.yaml, maybe written by an earlier version
+        given = load_config(run_root / "config.yaml", overrides, stored=True)
+    else:
+        given = load_config(config, overrides)
     old, new = flatten(stored), flatten(given)
     changes = {
         k: (old.get(k, "-"), new.get(k, "-")) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)

@@ -105,7 +105,7 @@ class RunDir:
             raise RunFileError(f"{self.config_path}: missing; {self.root} is not a complete run directory")
         verify(self.config_path, fix=self._repair(self.config_path))
         try:
-            return load_config(self.config_path)
+            return load_config(self.config_path, stored=True)  # may come from an earlier version
         except ConfigError as exc:  # its message names the file already; the fix differs for a run's copy
             raise RunFileError(
                 f"{' '.join(str(exc).split())}. It is this run's stored config: "

@@ -24,9 +24,9 @@ some of the task) by imitation, as RAGEN's appendix C compares SFT with RL:
    (token-mean over the batch), AdamW, linear warm-up then cosine decay, seeded shuffling;
    deterministic on CPU for a given seed and thread count. :func:`warm_start` builds the tiny policy
    (or loads ``ModelConfig.path``), trains it and saves it with :func:`~ragen_core.models.save_policy`.
-4. **Evaluation.** :func:`evaluate_policy` runs the policy on the validation seeds with
-   :func:`~ragen_core.rollout.runner.run_rollouts` and reports per-tag success, format validity and
-   action counts.
+
+The demonstrations are written in the agent protocol the caller passes (the pipeline: the run's
+``agent`` section), so the warm start and the rollouts that follow it read the same prompts.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from envs.base import Env
 from envs.oracles import oracle_actions
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.protocol import ProtocolConfig, build_messages, forced_prefix
-from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
-from ragen_core.rollout.runner import Segments, _Turn, run_rollouts
+from ragen_core.rollout.runner import Segments, _Turn
 
 __all__ = [
     "DEFAULT_DEMO_SEED",
@@ -57,7 +56,6 @@ __all__ = [
     "SFTConfig",
     "build_demonstrations",
     "demo_groups_config",
-    "evaluate_policy",
     "sft_loss",
     "train_sft",
     "warm_start",
@@ -105,11 +103,6 @@ class SFTConfig(BaseModel):
             "'turn': the oracle/random choice is drawn per turn, so later oracle turns show recovery from "
             "the states random turns lead to; 'episode': whole episodes are oracle or random."
         ),
-    )
-    protocol: ProtocolConfig = Field(
-        default_factory=ProtocolConfig,
-        description="The agent protocol the demos are written in (enable_think, separator, max_turn, ...); "
-        "use the run's own protocol config.",
     )
 
     # ---------------------------------------------------------------- optimisation
@@ -215,9 +208,10 @@ def build_demonstrations(
     Sequence layout: with the full history (``max_context_window = -1``) one sequence per episode,
     as :func:`~ragen_core.rollout.runner.run_rollouts` builds it; with a window of ``k`` turns, one
     sequence per turn (the exact prompt the policy sees at that turn plus its answer), trained on that
-    turn only, so that every turn is learned once.
+    turn only, so that every turn is learned once. ``protocol``: the agent protocol the demonstrations
+    are written in, the run's ``agent`` section (default: RAGEN's defaults).
     """
-    protocol = protocol or cfg.protocol
+    protocol = protocol or ProtocolConfig()
     prefix = forced_prefix(protocol)
     seg = Segments(tokenizer, prefix)
     groups = EnvGroups(demo_groups_config(cfg), protocol, mode="train")
@@ -451,56 +445,3 @@ def warm_start(
     metrics.update(build_seconds=build_seconds, total_seconds=time.perf_counter() - t0)
     (path / "sft_metrics.json").write_text(json.dumps(metrics, indent=2))
     return path
-
-
-# --------------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------------
-def evaluate_policy(
-    model: Any,
-    tokenizer: Any,
-    groups_cfg: EnvGroupsConfig,
-    protocol_cfg: ProtocolConfig | None = None,
-    temperature: float = 0.5,
-    seed: int = 0,
-    max_new_tokens: int = 100,
-    engine: RolloutEngine | None = None,
-) -> dict[str, float]:
-    """Play the validation seeds (mode ``"val"``) and report, per tag (``{tag}/...``) and overall:
-
-    - ``success`` (Bandit: the high-arm rate), ``num_actions`` (executed actions per episode),
-      ``num_turns`` and the other :meth:`EnvGroups.metrics` keys;
-    - ``format_ok_turns``: the fraction of played turns whose reply parsed with only valid actions
-      (no format penalty); ``format_ok_trajs``: the fraction of episodes without any penalised turn;
-    - ``response_tokens``: sampled tokens per turn; ``response_truncated``: the fraction of episodes
-      with a turn cut by ``max_new_tokens``.
-    """
-    protocol_cfg = protocol_cfg or ProtocolConfig()
-    groups = EnvGroups(groups_cfg, protocol_cfg, mode="val")
-    engine = engine or HFEngine(model, tokenizer)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-    trajs = run_rollouts(groups, engine, tokenizer, params, seed=seed, iteration=0, run_id="eval")
-    metrics = dict(groups.metrics())
-    per_tag: dict[str, list[tuple[int, int, int, bool]]] = {}
-    for t in trajs:
-        played = [r for r in groups.history(t.env_id) if r.played]
-        ok = sum(r.format_ok for r in played)
-        per_tag.setdefault(t.env_tag, []).append(
-            (len(played), ok, int(sum(t.loss_mask)), bool(t.info.get("response_truncated")))
-        )
-    rows_all: list[tuple[int, int, int, bool]] = []
-    for tag, rows in per_tag.items():
-        rows_all.extend(rows)
-        metrics.update(_format_metrics(tag + "/", rows))
-    metrics.update(_format_metrics("", rows_all))
-    return metrics
-
-
-def _format_metrics(prefix: str, rows: list[tuple[int, int, int, bool]]) -> dict[str, float]:
-    turns = sum(r[0] for r in rows)
-    return {
-        f"{prefix}format_ok_turns": sum(r[1] for r in rows) / max(1, turns),
-        f"{prefix}format_ok_trajs": sum(r[0] == r[1] for r in rows) / max(1, len(rows)),
-        f"{prefix}response_tokens": sum(r[2] for r in rows) / max(1, turns),
-        f"{prefix}response_truncated": sum(r[3] for r in rows) / max(1, len(rows)),
-    }

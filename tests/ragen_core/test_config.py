@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from ragen_core.config import ConfigError, config_hash, dump_config, flatten, load_config, parse_overrides
+from ragen_core.config import (
+    ConfigError,
+    RagenConfig,
+    config_hash,
+    dump_config,
+    flatten,
+    load_config,
+    parse_overrides,
+)
 
 
 def test_defaults_are_ragens_base_yaml() -> None:
@@ -139,3 +147,45 @@ def test_config_error_is_a_user_error() -> None:
 
     err = ConfigError("x")
     assert isinstance(err, RagenError) and isinstance(err, ValueError) and is_user_error(err)
+
+
+def _with_sft_protocol(tmp_path: Path) -> tuple[RagenConfig, Path]:
+    """A config with a warm start, and its dump as versions before ``sft.protocol`` was removed wrote a
+    run's config.yaml: every field, so ``sft.protocol`` in full."""
+    import yaml
+
+    from ragen_core.protocol import ProtocolConfig
+
+    cfg = load_config(
+        overrides=["train.tags=[Bandit]", "sft.tags=[Bandit]", "learner.optim.mini_batch_size=32"]
+    )
+    data = cfg.model_dump(mode="json")
+    data["sft"]["protocol"] = ProtocolConfig(enable_think=False).model_dump(mode="json")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return cfg, path
+
+
+def test_a_stored_config_with_a_removed_key_still_loads_and_resumes(tmp_path: Path) -> None:
+    from ragen_core.integrity import record
+    from ragen_core.resume import resume_config
+    from ragen_core.run_dir import RunDir
+
+    cfg, path = _with_sft_protocol(tmp_path)
+    record(path)  # as create_run does: RunDir.config checks the digest
+    stored = RunDir(tmp_path).config()
+    assert stored == cfg and config_hash(stored) == config_hash(cfg)
+    given, changes = resume_config(tmp_path, stored, 0, overrides=["trainer.iterations=9"])
+    assert (
+        changes == {"trainer.iterations": (str(cfg.trainer.iterations), "9")}
+        and given.trainer.iterations == 9
+    )
+
+
+def test_a_written_config_with_a_removed_key_is_refused_with_the_fix(tmp_path: Path) -> None:
+    _, path = _with_sft_protocol(tmp_path)
+    fix = r"sft\.protocol: removed: .*agent protocol; set agent\.\* instead"
+    with pytest.raises(ConfigError, match=fix):
+        load_config(path)
+    with pytest.raises(ConfigError, match=fix):  # in an override, also over a stored config
+        load_config(path, ["sft.protocol.enable_think=false"], stored=True)

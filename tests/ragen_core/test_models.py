@@ -77,11 +77,19 @@ def test_model_config_forbids_unknown_keys():
 def test_env_corpus_covers_the_catalogue(corpus):
     import envs
     from envs.registry import EnvSpec
+    from ragen_core.protocol import ProtocolConfig, TurnRecord, build_messages, instruction_prefix
 
     text = "\n".join(corpus)
     assert "Turn 1:\nState:\n" in text and "<answer>" in text and "Reward:\n" in text
     for tag in envs.catalogue_tags():
-        assert envs.make(tag).reset(0) in text, tag
+        env = envs.make(tag)
+        first = TurnRecord(state=env.reset(0), actions_left=env.spec.max_actions_per_traj)
+        # seed 0 thinks: its text opens with the system and first user message a rollout shows
+        cfg = ProtocolConfig()
+        system, user = build_messages(
+            instruction_prefix(env.spec, env, cfg), [first], cfg, env.spec.max_tokens
+        )
+        assert any(t.startswith(system["content"] + "\n" + user["content"]) for t in corpus), tag
     # A tag registered at run time does not change the default corpus (nor the tokenizer).
     envs.register_tag(EnvSpec(tag="CorpusProbe", env_type="sokoban", env_config={"dim_room": [5, 5]}))
     assert env_corpus(n_seeds=2) == env_corpus(n_seeds=2)

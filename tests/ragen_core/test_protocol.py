@@ -28,7 +28,9 @@ from ragen_core.protocol import (
     format_hint,
     format_reward,
     instruction_prefix,
+    join_actions,
     next_user_content,
+    normalized_response,
     parse_response,
     system_content,
 )
@@ -431,6 +433,15 @@ def test_parse_no_think_mode() -> None:
     r = parse("<answer>Up || Left</answer> trailing", NOTHINK)
     assert r.actions == ["Up", "Left"] and r.think == "" and r.normalized == "<answer>Up || Left</answer>"
     assert not parse("<think>x</think>Up", NOTHINK).format_ok
+
+
+@pytest.mark.parametrize("cfg", [THINK, NOTHINK, ProtocolConfig(action_sep="|")])
+def test_written_replies_read_back_as_written(cfg: ProtocolConfig) -> None:
+    """join_actions and normalized_response write what parse_response reads and writes back."""
+    answer = join_actions(["Up", "Left"], cfg)
+    text = normalized_response("go", answer, cfg)
+    r = parse_response(text, cfg, ACTIONS)
+    assert r.format_ok and r.actions == ["Up", "Left"] and r.normalized == text
 
 
 def test_parse_discrete_env_with_empty_vocabulary() -> None:

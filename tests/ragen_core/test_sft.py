@@ -13,13 +13,12 @@ from pydantic import ValidationError
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models import ModelConfig, build_tiny_policy, load_policy
 from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
-from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.sft import (
     SFTConfig,
     build_demonstrations,
     demo_groups_config,
-    evaluate_policy,
     train_sft,
     warm_start,
 )
@@ -72,8 +71,8 @@ class ReplayEngine(RolloutEngine):
         pass
 
 
-def replay(tok, cfg, demos):
-    groups = EnvGroups(demo_groups_config(cfg), cfg.protocol, mode="train")
+def replay(tok, cfg, demos, protocol=None):
+    groups = EnvGroups(demo_groups_config(cfg), protocol, mode="train")
     engine = ReplayEngine(groups, {d.env_id: d.turn_ids for d in demos})
     return run_rollouts(groups, engine, tok, SamplingParams(), seed=0, iteration=0)
 
@@ -82,10 +81,8 @@ def replay(tok, cfg, demos):
 def test_demos_mask_exactly_the_answers_and_match_the_runner_layout(policy, think):
     _, tok = policy
     protocol = ProtocolConfig(enable_think=think)
-    cfg = SFTConfig(
-        tags=["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], episodes_per_tag=6, protocol=protocol
-    )
-    demos = build_demonstrations(tok, cfg)
+    cfg = SFTConfig(tags=["SimpleSokoban", "FrozenLake", "Bandit", "Countdown"], episodes_per_tag=6)
+    demos = build_demonstrations(tok, cfg, protocol)
     assert len(demos) == 24 and {d.tag for d in demos} == set(cfg.tags)
     assert any(len(d.texts) >= 3 for d in demos)  # FrozenLake plays several turns
     prefix = forced_prefix(protocol)
@@ -99,7 +96,7 @@ def test_demos_mask_exactly_the_answers_and_match_the_runner_layout(policy, thin
             assert parsed.matched and parsed.raw_actions == acts
             assert ("</think>" in text) == think
     # The same ids through the real runner give the same trajectories, token for token.
-    trajs = replay(tok, cfg, demos)
+    trajs = replay(tok, cfg, demos, protocol)
     for d, t in zip(demos, trajs, strict=True):
         assert (t.env_id, t.seed, t.success) == (d.env_id, d.seed, d.success)
         assert t.input_ids == d.input_ids and t.loss_mask == d.loss_mask and t.turn_index == d.turn_index
@@ -108,9 +105,10 @@ def test_demos_mask_exactly_the_answers_and_match_the_runner_layout(policy, thin
 
 def test_context_window_gives_one_sample_per_turn(policy):
     _, tok = policy
-    cfg = SFTConfig(tags=["FrozenLake"], episodes_per_tag=4, protocol=ProtocolConfig(max_context_window=2))
-    demos = build_demonstrations(tok, cfg)
-    trajs = {t.env_id: t for t in replay(tok, cfg, demos)}
+    cfg = SFTConfig(tags=["FrozenLake"], episodes_per_tag=4)
+    protocol = ProtocolConfig(max_context_window=2)
+    demos = build_demonstrations(tok, cfg, protocol)
+    trajs = {t.env_id: t for t in replay(tok, cfg, demos, protocol)}
     by_env = defaultdict(list)
     for d in demos:
         by_env[d.env_id].append(d)
@@ -200,6 +198,24 @@ def test_max_seconds_guard_stops_training(policy, one_thread):
 ACCEPT_TAGS = ["Bandit", "FrozenLake", "SimpleSokoban"]
 
 
+def validation_metrics(model, tok, tags: list[str], n: int, max_new_tokens: int) -> dict[str, float]:
+    """Play each tag's first ``n`` validation seeds as the evaluate stage does (mode "val", the runner,
+    temperature 0.5), and add per tag what the acceptance is about: the share of played turns and of
+    episodes with no format penalty, and of episodes with a turn cut at ``max_new_tokens``."""
+    groups = EnvGroups(EnvGroupsConfig(tags=tags, n_groups=[n] * len(tags), group_size=1), mode="val")
+    params = SamplingParams(temperature=0.5, max_new_tokens=max_new_tokens)
+    trajs = run_rollouts(groups, HFEngine(model, tok), tok, params, seed=0, iteration=0, run_id="eval")
+    metrics = dict(groups.metrics())
+    for tag in tags:
+        played = [[r for r in groups.history(t.env_id) if r.played] for t in trajs if t.env_tag == tag]
+        cut = [bool(t.info.get("response_truncated")) for t in trajs if t.env_tag == tag]
+        turns = [r.format_ok for episode in played for r in episode]
+        metrics[f"{tag}/format_ok_turns"] = sum(turns) / len(turns)
+        metrics[f"{tag}/format_ok_trajs"] = sum(all(r.format_ok for r in e) for e in played) / len(played)
+        metrics[f"{tag}/response_truncated"] = sum(cut) / len(cut)
+    return metrics
+
+
 @pytest.mark.slow
 def test_warm_start_reaches_valid_format_on_validation_seeds(tmp_path, one_thread):
     """Acceptance: one tiny multi-env policy, SFT on 70%-optimal demos, >= 95% well-formed replies on
@@ -224,15 +240,7 @@ def test_warm_start_reaches_valid_format_on_validation_seeds(tmp_path, one_threa
 
     model, tok = load_policy(path)  # what the pipeline will load
     t1 = time.perf_counter()
-    ev = evaluate_policy(
-        model,
-        tok,
-        EnvGroupsConfig(tags=ACCEPT_TAGS, n_groups=[64] * 3, group_size=1),
-        sft.protocol,
-        temperature=0.5,
-        seed=0,
-        max_new_tokens=64,
-    )
+    ev = validation_metrics(model, tok, ACCEPT_TAGS, n=64, max_new_tokens=64)
     eval_seconds = time.perf_counter() - t1
     print(
         f"\nSFT warm start (one model, {len(ACCEPT_TAGS)} tags): build {metrics['build_seconds']:.1f}s, "
