@@ -138,8 +138,7 @@ LABELS = [
 def instrument(clock: Clock) -> None:
     import prefect.results
 
-    import flows.train as ft
-    from ragen_core import actors, run_dir, session, stage_record, stages, tracking
+    from ragen_core import actors, run_dir, session, stage_record, stages, tracking, training
 
     clock.wrap(
         session.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
@@ -165,7 +164,7 @@ def instrument(clock: Clock) -> None:
     clock.wrap(tracking.Tracker, "log_iteration", "log_iteration (log_batch)")
     clock.wrap(tracking.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
     clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet + json + log_table)")
-    clock.wrap(ft, "_transcripts", "transcripts (read Parquet + json + log_table)")
+    clock.wrap(training, "transcripts", "transcripts (read Parquet + json + log_table)")
 
 
 class ServerCPU:
@@ -340,6 +339,7 @@ class Plain:
 def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bool) -> dict[str, Any]:  # noqa: C901 - the ABBA timing harness wraps every hook of the flow in one closure scope
     """Run the train flow on one run directory with the plain loop interleaved; returns all timings."""
     import flows.train as ft
+    from ragen_core import training
 
     n = cfg.trainer.iterations
     flow_run = new_run(cfg, f"bench-flow-{backend}", init_policy)
@@ -363,7 +363,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
     backgrounds: list[Any] = []
     drains: dict[int, float] = {}
 
-    class RecordedBackground(ft.BackgroundLog):  # type: ignore[misc, name-defined]
+    class RecordedBackground(training.BackgroundLog):  # type: ignore[misc, name-defined]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             backgrounds.append(self)
@@ -394,7 +394,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             state["deferred"] = 0
 
     real_iteration_flow, real_iteration_task = ft.iteration_flow, ft.iteration_task
-    real_session, real_best = ft.Session, ft.RunDir.best_step
+    real_session, real_best = training.Session, training.RunDir.best_step
     real_configure = ft.configure_environment
     real_iteration = ft.iteration_runner(cfg)
 
@@ -431,28 +431,28 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         marks["flow_body"] = time.perf_counter()
         return real_configure(*args, **kwargs)
 
-    real_background = ft.BackgroundLog
-    ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
-        iteration_flow,
-        iteration_flow,
+    real_background = training.BackgroundLog
+    ft.iteration_flow, ft.iteration_task, ft.configure_environment = iteration_flow, iteration_flow, configure
+    training.Session, training.RunDir.best_step, training.BackgroundLog = (
         session,
         best_step,
-        configure,
+        RecordedBackground,
     )
-    ft.BackgroundLog = RecordedBackground
     try:
         marks["call"] = time.perf_counter()
         result = ft.train(ft.TrainRequest(resume=str(flow_run.root), backend=backend))
         marks["return"] = time.perf_counter()
     finally:
-        ft.iteration_flow, ft.iteration_task, ft.Session, ft.RunDir.best_step, ft.configure_environment = (
+        ft.iteration_flow, ft.iteration_task, ft.configure_environment = (
             real_iteration_flow,
             real_iteration_task,
-            real_session,
-            real_best,
             real_configure,
         )
-        ft.BackgroundLog = real_background
+        training.Session, training.RunDir.best_step, training.BackgroundLog = (
+            real_session,
+            real_best,
+            real_background,
+        )
         clock.active = False
         plain.close()
     if result["last_iteration"] != n or sorted(flow_times) != list(range(1, n + 1)):

@@ -11,11 +11,12 @@ from typing import Literal
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.reporting import duration, progress_logger
+from flows.reporting import progress_logger
 from flows.settings import configure_environment
+from ragen_core.checkpoint import verify_checkpoint
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.learner import verify_checkpoint
+from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.run_dir import RunDir, atomic_write_text, find_run
 from ragen_core.stages import check_init_policy

@@ -1,5 +1,7 @@
-"""Progress of the library's long loops (rollouts of a real model take minutes) as log lines of the
-``ragen.progress`` logger, shown on stderr by :func:`show_progress_lines`.
+"""Progress of the library's long loops, as log lines: rollouts of a real model take minutes, so the
+rollout workers log episodes done through the ``ragen.progress`` logger (shown on stderr by
+:func:`show_progress_lines`); a training run logs a line per iteration (:func:`iteration_line`, with
+success, score, time and ETA from an :class:`IterationClock`).
 
 The CLI calls it and sets ``PROGRESS_ENV``; Ray workers inherit the variable and their rollout workers
 call it too (Ray forwards an actor's stderr to the driver's terminal). Library users who configure
@@ -9,6 +11,9 @@ logging themselves see the lines at INFO.
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Mapping
 
 PROGRESS_ENV = "RAGEN_PROGRESS"
 progress_log = logging.getLogger("ragen.progress")
@@ -23,3 +28,62 @@ def show_progress_lines() -> None:
         progress_log.addHandler(handler)
     progress_log.setLevel(logging.INFO)
     progress_log.propagate = False
+
+
+def duration(seconds: float) -> str:
+    """``75`` -> ``"1m15s"``; ``3725`` -> ``"1h02m"``; ``9`` -> ``"9s"``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _tag_mean(metrics: Mapping[str, float], prefix: str, key: str) -> float | None:
+    """Mean over the tags of ``{prefix}/{tag}/{key}`` (NaN-free), or None when no tag has it."""
+    values = [
+        v
+        for k, v in metrics.items()
+        if k.startswith(prefix + "/") and k.endswith("/" + key) and k.count("/") == 2 and not math.isnan(v)
+    ]
+    return sum(values) / len(values) if values else None
+
+
+def iteration_line(
+    k: int, total: int, metrics: Mapping[str, float], seconds: float, eta_s: float | None
+) -> str:
+    """``iteration 3/10 | train success 0.62 score +0.41 valid 0.95 | val success 0.88 | 41s | ETA 4m47s``."""
+    parts = [f"iteration {k}/{total}"]
+    train = [f"success {metrics['train/success']:.2f}"] if "train/success" in metrics else []
+    score, valid = _tag_mean(metrics, "train", "score"), _tag_mean(metrics, "train", "action_is_valid")
+    if score is not None:
+        train.append(f"score {score:+.2f}")
+    if valid is not None:
+        train.append(f"valid {valid:.2f}")
+    if train:
+        parts.append("train " + " ".join(train))
+    if "val-env/success" in metrics:
+        parts.append(f"val success {metrics['val-env/success']:.2f}")
+    parts.append(duration(seconds))
+    if eta_s is not None and k < total:
+        parts.append(f"ETA {duration(eta_s)}")
+    return " | ".join(parts)
+
+
+class IterationClock:
+    """Seconds per iteration of this process (a resumed run's earlier iterations ran elsewhere), and the
+    ETA of the rest from their mean."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.times = total, []
+        self._t0 = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        self.times.append(now - self._t0)
+        self._t0 = now
+        return self.times[-1]
+
+    def eta(self, k: int) -> float | None:
+        return (self.total - k) * sum(self.times) / len(self.times) if self.times else None

@@ -68,6 +68,11 @@ class Session:
         weights = self.learner.get_weights()
         self.call_worker("update_weights", weights)
 
+    def advance(self, k: int) -> None:
+        """After the learner stepped to iteration ``k``: the rollout worker gets its weights."""
+        self.sync_weights()
+        self.at = k
+
     def restore(self, k: int) -> None:
         """Put the learner and the rollout worker at the state after iteration ``k``."""
         if k == self.at:

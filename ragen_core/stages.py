@@ -73,7 +73,7 @@ def check_resumable(run: RunDir) -> int:
     """What a resume starts from, checked before anything is started or written: every complete
     iteration's metrics (re-logged to MLflow) and the state after the last one. Returns that
     iteration; a damaged file raises naming it."""
-    from ragen_core.learner import verify_checkpoint
+    from ragen_core.checkpoint import verify_checkpoint
 
     last = run.last_complete()
     for k in range(1, last + 1):
@@ -191,8 +191,7 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     session.learner.save_checkpoint(str(run.checkpoint(k)), k)
     copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
     metrics["timing_s/checkpoint"] = time.perf_counter() - t0
-    session.sync_weights()
-    session.at = k
+    session.advance(k)
     stage_record.save(record, inputs, [run.checkpoint(k)], metrics)
     return metrics
 

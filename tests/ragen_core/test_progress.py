@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from flows.reporting import IterationClock, duration, iteration_line
+from ragen_core.progress import IterationClock, duration, iteration_line
 
 
 def test_duration() -> None:
@@ -41,7 +41,7 @@ def test_iteration_line_shows_success_score_validity_validation_time_and_eta() -
 
 def test_eta_is_the_mean_iteration_time_times_the_iterations_left(monkeypatch: pytest.MonkeyPatch) -> None:
     clock_values = iter([0.0, 10.0, 30.0])
-    monkeypatch.setattr("flows.reporting.time.perf_counter", lambda: next(clock_values))
+    monkeypatch.setattr("ragen_core.progress.time.perf_counter", lambda: next(clock_values))
     clock = IterationClock(total=6)
     assert clock.eta(0) is None
     assert clock.lap() == 10.0 and clock.lap() == 20.0

@@ -1,0 +1,340 @@
+"""A training run's iteration loop and its decisions: which run, where to start, what to re-log, when
+to stop or roll back, which step is best.
+
+The orchestrator (``flows.train``) supplies the work as callables (an iteration, an evaluation, the
+warm start) and composes them; everything decided from the run directory is decided here, so that the
+same run folder gives the same decisions under any orchestrator:
+
+- :func:`open_run` checks everything that can be checked (config, overrides, run name, machine,
+  tracking server, the run lock) before anything is written, and holds the run's lock;
+- :class:`Training` re-logs what a killed run finished but did not log, replays the Echo-Trap monitor
+  over the stored iterations (rollbacks included), runs the remaining iterations with the monitor's
+  stop and rollback decisions, and ends with the best step, the final models and where to look next.
+
+Metrics reach MLflow only after an iteration's ``metrics.json`` and DONE mark are on disk (from a
+background thread, while the next iteration runs; in order, and flushed before the run ends), and
+logging is idempotent per step, so a killed run resumes with no iteration lost, duplicated or
+double-logged. A rollback is an event of its own (``rollbacks/after_K.json``): no stored iteration is
+rewritten, so every one stays rerunnable.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
+from ragen_core.integrity import record
+from ragen_core.model_import import model_provenance
+from ragen_core.monitor import EchoTrapMonitor, Signal
+from ragen_core.preflight import preflight
+from ragen_core.progress import IterationClock, duration, iteration_line
+from ragen_core.resume import resume_config
+from ragen_core.run_dir import RunDir, create_run, find_run, run_name
+from ragen_core.run_lock import RunLock
+from ragen_core.session import Session
+from ragen_core.stages import check_resumable, eval_due
+from ragen_core.tracking import BackgroundLog, RunStatus, Tracker
+from ragen_core.trajectory import read_trajectories
+
+Log = logging.Logger | logging.LoggerAdapter
+#: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
+Iteration = Callable[[int], Mapping[str, float]]
+
+
+@contextmanager
+def open_run(
+    state: Path,
+    log: Log,
+    *,
+    config: str | None = None,
+    overrides: Sequence[str] = (),
+    resume: str | None = None,
+    name: str | None = None,
+    backend: str | None = None,
+) -> Iterator[tuple[RunDir, RagenConfig, Tracker]]:
+    """The run to train (a new one, or ``resume``'s), its config and a tracker, locked until exit.
+
+    A resume accepts only what ``ragen_core.resume`` allows, and records the accepted changes in
+    ``run.json``; an unreachable tracking server fails before a new run folder exists. ``backend``
+    overrides ``trainer.backend`` for this process only (it is not a change of the run).
+    """
+    lock = None
+    if resume:
+        run = find_run(resume)
+        lock = RunLock(run.root).acquire()
+        try:
+            cfg, changes = resume_config(
+                run.root, run.config(), check_resumable(run), config, list(overrides)
+            )
+        except BaseException:
+            lock.release()
+            raise
+    else:
+        source = config or DEFAULT_CONFIG
+        cfg = load_config(source, list(overrides))
+        preflight(cfg)
+        new_name, changes = run_name(cfg, name, source), {}
+    try:
+        tracker = Tracker(cfg.tracking, state)  # an unreachable server fails here, before a run folder exists
+        if lock is None:
+            run = create_run(cfg, new_name)
+            lock = RunLock(run.root).acquire()
+        elif changes:
+            record(dump_config(cfg, run.config_path))
+            run.update_info(
+                resumes=[
+                    *run.info().get("resumes", []),
+                    {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}},
+                ]
+            )
+            log.info("resumed with %s", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items()))
+        if backend:
+            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"backend": backend})})
+        yield run, cfg, tracker
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class Training:
+    """One process's part of a run, from tracking start to the closing lines (a context manager: on
+    exit the tracking calls are flushed, the session closed and the MLflow run ended, FINISHED only
+    after :meth:`finish`)."""
+
+    def __init__(self, run: RunDir, cfg: RagenConfig, tracker: Tracker, log: Log, progress: Log) -> None:
+        self.run, self.cfg, self.tracker, self.log, self.progress = run, cfg, tracker, log, progress
+        self.run_id: str = run.info()["run_id"]
+        self.mlflow_run: str | None = None
+        self.session: Session | None = None
+        self.monitor = EchoTrapMonitor(cfg.monitor)
+        # An iteration's MLflow calls overlap the next iteration (in order; errors surface at the next one).
+        self.background = BackgroundLog(cfg.tracking.background)
+        self.clock = IterationClock(cfg.trainer.iterations)
+        self.status: RunStatus = "FAILED"
+
+    def __enter__(self) -> Training:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.background.close()
+        if self.session is not None:
+            self.session.close()
+        if self.mlflow_run is not None:  # a failed start has no MLflow run to end
+            self.tracker.end(self.status)
+        offline = self.tracker.offline_message(self.run_id, self.run.root)  # MLflow went away mid-run
+        if offline:
+            self.log.warning(offline)
+
+    # 1. tracking and the live parts ----------------------------------------------------------------
+    def start_tracking(self, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
+        """Start (or, resuming, reopen) the MLflow run with the config as params and provenance tags."""
+        self.log.info("run %s in %s", self.run_id, self.run.root)
+        info = self.run.info()
+        self.mlflow_run = self.tracker.start(
+            self.run_id,
+            flatten(self.cfg),
+            tags={
+                "ragen.run_id": self.run_id,
+                "ragen.config_hash": config_hash(self.cfg),
+                "ragen.run_dir": str(self.run.root.resolve()),
+                "mlflow.source.git.commit": git_commit(),
+                **(tags or {}),
+                **model_provenance(self.cfg.model.source()),
+            },
+            run_id=info.get("mlflow_run_id"),
+            parent_run_id=parent_run_id,
+        )
+        self.run.update_info(mlflow_run_id=self.mlflow_run)
+        return self.mlflow_run
+
+    def log_config(self) -> None:
+        """Upload ``config.yaml`` once per run (a resume does not upload it again)."""
+        if not self.cfg.tracking.log_artifacts or "config.yaml" in self.run.info().get(
+            "logged_artifacts", []
+        ):
+            return
+        self.tracker.log_artifact(self.run.config_path)
+        if self.tracker.offline is None:  # uploaded, not skipped by a tracker that lost its server
+            self.run.update_info(logged_artifacts=["config.yaml"])
+
+    def open_session(self) -> Session:
+        """The rollout worker and learner(s), closed on exit."""
+        self.session = Session(self.cfg, self.run, backend=self.cfg.trainer.backend)
+        return self.session
+
+    # 2. where to start -------------------------------------------------------------------------------
+    def catch_up(self, evaluate: Iteration) -> int:
+        """Re-log what a killed run finished but did not log (logging skips logged steps), replay the
+        monitor over the stored iterations and their rollbacks, and evaluate step 0 when due and not
+        stored. Returns the last complete iteration: the loop goes on after it."""
+        run, cfg = self.run, self.cfg
+        last = run.last_complete()
+        if run.eval_metrics_file(0).exists():
+            self._log_step(0, run.read_json(run.eval_metrics_file(0)))
+        for k in range(1, last + 1):
+            metrics = run.read_json(run.metrics_file(k))
+            self.monitor.update(k, metrics)
+            if (to := run.rolled_back_to(k)) is not None:
+                self.monitor.reset_to(to)
+            self._log_step(k, metrics)
+        if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
+            self._log_step(0, dict(evaluate(0)))
+        if last < cfg.trainer.iterations:
+            self.progress.info(
+                "run %s: iterations %d-%d of %d (%s backend)%s",
+                self.run_id,
+                last + 1,
+                cfg.trainer.iterations,
+                cfg.trainer.iterations,
+                cfg.trainer.backend,
+                f", resumed after iteration {last}" if last else "",
+            )
+        return last
+
+    # 3. the loop ---------------------------------------------------------------------------------
+    def iterate(self, iteration: Iteration, start: int) -> int:
+        """Run iterations ``start + 1 ..`` up to ``trainer.iterations``, each followed by the monitor's
+        decision; returns the last iteration run (earlier than planned when the monitor stops it)."""
+        k = start
+        while k < self.cfg.trainer.iterations:
+            k += 1
+            metrics = dict(iteration(k))
+            if not self._after_iteration(k, metrics):
+                break
+        return k
+
+    def _after_iteration(self, k: int, metrics: dict[str, float]) -> bool:
+        """Log iteration ``k``, act on the monitor's signals; False when the run should stop."""
+        signals = self.monitor.update(k, metrics)
+        if signals:
+            self._signal(k, signals)
+            metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
+        self.background.submit(self._log_step, k, dict(metrics))
+        self.progress.info(
+            iteration_line(k, self.cfg.trainer.iterations, metrics, self.clock.lap(), self.clock.eta(k))
+        )
+        if self.monitor.should_stop:
+            self.background.submit(self.tracker.set_tags, {"echo_trap.action": f"stopped at iteration {k}"})
+            return False
+        if self.monitor.should_rollback:
+            self._roll_back(k)
+        return True
+
+    def _signal(self, k: int, signals: Sequence[Signal]) -> None:
+        self.background.submit(
+            self.tracker.set_tags, {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals}
+        )
+        for s in signals:
+            self.log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
+
+    def _roll_back(self, k: int) -> None:
+        """Continue from the monitor's chosen earlier step; recorded as an event, never by rewriting
+        iteration ``k``."""
+        to = self.monitor.rollback_step(range(0, k))
+        if to is None or self.session is None:
+            return
+        self.log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
+        event = self.session.roll_back(k, to, [s.name for s in self.monitor.triggered])
+        self.monitor.reset_to(to)
+        self.background.submit(
+            self.tracker.set_tags, {f"echo_trap.rollback_{self.monitor.rollbacks}": f"{k}->{to}"}
+        )
+        if self.cfg.tracking.log_artifacts:
+            self.background.submit(self.tracker.log_artifact, event, "rollbacks")
+
+    # 4. the end ----------------------------------------------------------------------------------
+    def finish(self, k: int) -> dict[str, Any]:
+        """Flush the tracking calls, tag the best step, upload plots and the final and best models, say
+        where to look next; returns the run's ids, its last and best steps and final metrics."""
+        run = self.run
+        self.background.flush()
+        best, final_step = run.best_step(k), run.start_of(k + 1)  # where a last rollback went back to
+        self.tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
+        if self.cfg.tracking.log_artifacts:
+            self.tracker.log_plots(run.root / "plots")
+            if final_step > 0:
+                self.tracker.log_artifacts(run.policy_after(final_step), "model/final")
+            if best is not None:
+                self.tracker.log_artifacts(run.policy_after(best), "model/best")
+        self.status = "FINISHED"
+        final = run.read_json(run.metrics_file(k)) if k > 0 else {}
+        url = self.tracker.run_url(self.mlflow_run) if self.mlflow_run else None
+        self.progress.info(
+            "run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s",
+            self.run_id,
+            k,
+            duration(sum(self.clock.times)),
+            best,
+            self.mlflow_run,
+            f" ({url})" if url else "",
+        )
+        return {
+            "run_id": self.run_id,
+            "run_dir": str(run.root),
+            "mlflow_run_id": self.mlflow_run,
+            "mlflow_url": url,
+            "last_iteration": k,
+            "best_step": best,
+            "metrics": final,
+        }
+
+    # tracking of one step ------------------------------------------------------------------------
+    def _log_step(self, k: int, metrics: Mapping[str, float]) -> None:
+        """Log one step's artifacts, then its metrics with the step's ``iteration`` marker (idempotent
+        per step): a tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
+        tracker, run, cfg = self.tracker, self.run, self.cfg
+        if k in tracker.logged_steps:
+            return
+        if cfg.tracking.log_artifacts:
+            if k > 0 and run.rollouts(k).exists():
+                tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
+                # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
+                tracker.log_transcripts(
+                    transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration),
+                    k,
+                    append_table=k == cfg.trainer.iterations,
+                )
+            if run.eval_file(k).exists():
+                tracker.log_artifact(run.eval_file(k), "eval")
+        tracker.log_iteration(k, dict(metrics))
+
+
+def transcripts(path: Path, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` trajectories of a rollouts file as readable rows (MLflow's transcripts table)."""
+    rows = []
+    for t in read_trajectories(path)[:n]:
+        rows.append(
+            {
+                "env_tag": t.env_tag,
+                "seed": t.seed,
+                "success": t.success,
+                "score": t.score,
+                "turns": t.turn_count,
+                "actions": t.actions,
+                "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:]),
+            }
+        )
+    return rows
+
+
+def git_commit() -> str:
+    """The code's git commit (``unknown`` outside a checkout): the ``mlflow.source.git.commit`` tag."""
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parent,
+            ).stdout.strip()
+            or "unknown"
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
