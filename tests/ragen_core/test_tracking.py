@@ -342,3 +342,33 @@ def test_unreachable_server_fails_fast(monkeypatch: pytest.MonkeyPatch, tmp_path
         with pytest.raises(TrackingError, match=r"no answer within 0\.5 s"):
             Tracker(TrackingConfig(tracking_uri=silent, connect_timeout_s=0.5), tmp_path)
         assert time.monotonic() - t0 < 5
+
+
+def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The first new store is built by MLflow and kept, without its default experiment, as the template;
+    later new stores are copies that MLflow opens as its own (default experiment where it puts it,
+    ours next); a damaged template is dropped and the store built anew."""
+    from ragen_core.tracking import store_template
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    template = store_template()
+    assert not template.exists()
+
+    def experiments(state: Path) -> list[tuple[str, str, str]]:
+        tr = make(state, experiment="mine")
+        tr.start("r", {})
+        tr.end()
+        return sorted(
+            (e.experiment_id, e.name, e.artifact_location) for e in client(state).search_experiments()
+        )
+
+    built = experiments(tmp_path / "a")
+    assert template.is_file()
+    copied = experiments(tmp_path / "b")
+    assert [e[:2] for e in built] == [e[:2] for e in copied] == [("0", "Default"), ("1", "mine")]
+    assert copied[0][2] == built[0][2]  # the default experiment's location is MLflow's, not the template's
+    assert copied[1][2] == (tmp_path / "b" / "mlartifacts" / "mine").resolve().as_uri()
+
+    template.write_bytes(b"not a database")
+    assert [e[:2] for e in experiments(tmp_path / "c")] == [("0", "Default"), ("1", "mine")]
+    assert template.is_file() and template.read_bytes()[:15] == b"SQLite format 3"  # rebuilt
