@@ -79,6 +79,10 @@ class IterationClock:
         self.total, self.times = total, []
         self._t0 = time.perf_counter()
 
+    def restart(self) -> None:
+        """Start timing the next iteration now."""
+        self._t0 = time.perf_counter()
+
     def lap(self) -> float:
         now = time.perf_counter()
         self.times.append(now - self._t0)

@@ -202,6 +202,7 @@ class Training:
         """Run iterations ``start + 1 ..`` up to ``trainer.iterations``, each followed by the monitor's
         decision; returns the last iteration run (earlier than planned when the monitor stops it)."""
         k = start
+        self.clock.restart()  # an iteration's time is its own, not the warm start's or step 0's evaluation
         while k < self.cfg.trainer.iterations:
             k += 1
             metrics = dict(iteration(k))

@@ -40,12 +40,14 @@ def test_iteration_line_shows_success_score_validity_validation_time_and_eta() -
 
 
 def test_eta_is_the_mean_iteration_time_times_the_iterations_left(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock_values = iter([0.0, 10.0, 30.0])
+    clock_values = iter([0.0, 10.0, 30.0, 100.0, 105.0])
     monkeypatch.setattr("ragen_core.progress.time.perf_counter", lambda: next(clock_values))
     clock = IterationClock(total=6)
     assert clock.eta(0) is None
     assert clock.lap() == 10.0 and clock.lap() == 20.0
     assert clock.eta(2) == 4 * 15.0
+    clock.restart()  # e.g. after the warm start: the wait before it is no iteration's time
+    assert clock.lap() == 5.0
 
 
 def test_long_rollouts_report_progress_and_short_ones_stay_quiet(
