@@ -26,6 +26,7 @@ from ragen_core.run_dir import RunDir
 from ragen_core.sweep.state import SweepState
 from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
+from tests.prefect_server import shared_server_env
 from tests.process_env import child_env
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -219,7 +220,12 @@ TINY = [
 def ragen(
     args: list[str], state: Path, prefect_home: Path, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-    env = child_env(RAGEN_STATE_DIR=str(state), PREFECT_HOME=str(prefect_home), PYTHONUNBUFFERED="1")
+    env = child_env(
+        RAGEN_STATE_DIR=str(state),
+        PREFECT_HOME=str(prefect_home),
+        PYTHONUNBUFFERED="1",
+        **shared_server_env(),
+    )
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", *args],

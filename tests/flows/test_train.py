@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from tests.prefect_server import shared_server_env
 from tests.process_env import child_env
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -56,13 +57,15 @@ def ragen(
     timeout: float = 600,
     extra_env: dict[str, str] | None = None,
 ) -> Result:
-    """Run the CLI in its own process group; afterwards kill what it left behind (a SIGKILLed run
-    cannot stop its ephemeral Prefect server), and read its output from files, not pipes."""
+    """Run the CLI in its own process group against this test process's Prefect server
+    (``tests.prefect_server``); afterwards kill what it left behind (a SIGKILLed run cannot stop its
+    Ray cluster), and read its output from files, not pipes."""
     env = child_env(
         **{
             "RAGEN_STATE_DIR": str(state),
             "PYTHONUNBUFFERED": "1",
             "PREFECT_HOME": str(PREFECT_HOME),
+            **shared_server_env(),
             **(extra_env or {}),
         }
     )
