@@ -1,6 +1,8 @@
-"""Shared pytest configuration: markers that are not listed in pyproject.toml."""
+"""Shared pytest configuration: markers that are not listed in pyproject.toml, shared fixtures."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,3 +15,24 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "e2e: end-to-end test with real servers (Prefect, MLflow), a process worker and headless Chromium",
     )
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch intra-op thread for a module's tests: the suite's workers share 2 cores, and tiny
+    models run several times faster on one thread than on two fighting for them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prefect_server() -> str:
+    """The shared Prefect server's API URL (``tests.prefect_server``), started before the module's tests,
+    so that no timed CLI command pays its start-up."""
+    from tests.prefect_server import api_url
+
+    return api_url()

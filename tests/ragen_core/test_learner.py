@@ -24,13 +24,8 @@ ANSWERS = (5, 6)  # the two answer tokens of the toy task
 # ------------------------------------------------------------------------------------------ helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+#: tiny models: one torch thread (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_policy(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 64) -> Qwen2ForCausalLM:

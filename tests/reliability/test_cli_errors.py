@@ -22,7 +22,10 @@ from ragen_core.errors import RagenError, describe, is_user_error
 from tests.flows.test_train import CONFIG, ROOT, ragen
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("prefect_server"),
+]  # started before the timed commands
 
 
 def one_clear_line(out, *needles: str, code: int = 1, max_lines: int = 3) -> str:

@@ -15,7 +15,10 @@ import pytest
 from tests.flows.test_train import CONFIG, TINY, mlflow_steps, ragen, train
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("prefect_server"),
+]  # started before the timed commands
 
 
 NO_SFT = ("sft=null",)
