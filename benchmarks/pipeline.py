@@ -68,8 +68,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ragen_core.state_folder import cache_dir  # noqa: E402 - after the path: the benchmark runs from a checkout
+
 TARGET = 1.15
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragen-flow" / "bench-pipeline"
+CACHE = cache_dir() / "bench-pipeline"
 
 
 # ------------------------------------------------------------------------------------ timing

@@ -74,6 +74,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ragen_core.state_folder import cache_dir
+
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
 
@@ -254,8 +256,7 @@ def store_template() -> Path:
     location, when it opens the copy)."""
     import mlflow
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ragen-flow"
-    return cache / f"mlflow-{mlflow.__version__}-empty-store.db"
+    return cache_dir() / f"mlflow-{mlflow.__version__}-empty-store.db"
 
 
 def _from_template(db: Path) -> bool:

