@@ -109,7 +109,9 @@ class Training:
 
     def __init__(self, run: RunDir, cfg: RagenConfig, tracker: Tracker, log: Log, progress: Log) -> None:
         self.run, self.cfg, self.tracker, self.log, self.progress = run, cfg, tracker, log, progress
-        self.run_id: str = run.info()["run_id"]
+        #: run.json as the run started in this process (its MLflow run id and uploads of earlier processes)
+        self.info: dict[str, Any] = run.info()
+        self.run_id: str = self.info["run_id"]
         self.mlflow_run: str | None = None
         self.session: Session | None = None
         self.monitor = EchoTrapMonitor(cfg.monitor)
@@ -135,7 +137,6 @@ class Training:
     def start_tracking(self, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
         """Start (or, resuming, reopen) the MLflow run with the config as params and provenance tags."""
         self.log.info("run %s in %s", self.run_id, self.run.root)
-        info = self.run.info()
         self.mlflow_run = self.tracker.start(
             self.run_id,
             flatten(self.cfg),
@@ -147,7 +148,7 @@ class Training:
                 **(tags or {}),
                 **model_provenance(self.cfg.model.source()),
             },
-            run_id=info.get("mlflow_run_id"),
+            run_id=self.info.get("mlflow_run_id"),
             parent_run_id=parent_run_id,
         )
         self.run.update_info(mlflow_run_id=self.mlflow_run)
@@ -155,9 +156,7 @@ class Training:
 
     def log_config(self) -> None:
         """Upload ``config.yaml`` once per run (a resume does not upload it again)."""
-        if not self.cfg.tracking.log_artifacts or "config.yaml" in self.run.info().get(
-            "logged_artifacts", []
-        ):
+        if not self.cfg.tracking.log_artifacts or "config.yaml" in self.info.get("logged_artifacts", []):
             return
         self.tracker.log_artifact(self.run.config_path)
         if self.tracker.offline is None:  # uploaded, not skipped by a tracker that lost its server
