@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
 from flows.sweep import SweepRequest, run_sweep
@@ -28,14 +27,13 @@ from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
 from tests.prefect_server import shared_server_env
 from tests.process_env import child_env
+from tests.ragen_core.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
 
 
 ROOT = Path(__file__).resolve().parents[2]
-BANDIT = ROOT / "configs" / "bandit-tiny.yaml"
-IMPOSSIBLE = "learner.optim.mini_batch_size=999"  # larger than any filtered batch of bandit-tiny
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +46,6 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _env(monkeypatch: pytest.MonkeyPatch, state: Path) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("RAGEN_STATE_DIR", str(state))
-
-
-def write_sweep(path: Path, **fields: object) -> Path:
-    data = {"name": "t", "base": str(BANDIT), "seeds": [0], **fields}
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 # ------------------------------------------------------------------------------------ resume logic
