@@ -8,7 +8,9 @@ compares, iteration by iteration:
 - the train rollouts (``iter_K/rollouts.parquet``) and the validation rollouts (``eval/*.parquet``):
   every column of every row equal, except ``run_id`` (a run id holds the config hash and a random
   suffix, so it differs between any two runs, and the config hash changes whenever a config field is
-  added);
+  added) and ``iteration``, which each side must number as its trajectory schema says: ``K`` for
+  iteration K's rollouts and the step for validation (v2), or the 0-based seed round, ``K - 1`` and
+  0, in v1 files (written before 2026-12-02);
 - the learner state after each iteration (``iter_K/checkpoint``): every tensor of the policy (and
   critic) bitwise equal.
 
@@ -26,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import safetensors.torch
 import torch
@@ -60,9 +63,20 @@ def train(code: Path, state: Path, iterations: int) -> Path:
     return run
 
 
-def same_table(a: Path, b: Path) -> tuple[bool, str]:
-    ta, tb = pq.read_table(a).drop_columns(["run_id"]), pq.read_table(b).drop_columns(["run_id"])
-    if ta.schema != tb.schema:
+def iteration_numbered(table: pa.Table, k: int, split: str) -> bool:
+    """Every row carries the iteration number its file's trajectory schema version prescribes."""
+    version = (table.schema.metadata or {}).get(b"ragen.trajectory_schema_version", b"").decode()
+    want = k if version == "2" else (k - 1 if split == "train" else 0)
+    return set(table.column("iteration").to_pylist()) == {want}
+
+
+def same_table(a: Path, b: Path, k: int, split: str) -> tuple[bool, str]:
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    bad = [str(p) for p, t in ((a, ta), (b, tb)) if not iteration_numbered(t, k, split)]
+    if bad:
+        return False, f"iteration column misnumbered in {bad}"
+    ta, tb = ta.drop_columns(["run_id", "iteration"]), tb.drop_columns(["run_id", "iteration"])
+    if ta.schema.remove_metadata() != tb.schema.remove_metadata():
         return False, "different schemas"
     if ta.num_rows != tb.num_rows:
         return False, f"{ta.num_rows} vs {tb.num_rows} rows"
@@ -110,14 +124,17 @@ def main() -> None:
             checks.append(
                 (
                     f"{it}/rollouts.parquet",
-                    *same_table(ref_run / it / "rollouts.parquet", new_run / it / "rollouts.parquet"),
+                    *same_table(
+                        ref_run / it / "rollouts.parquet", new_run / it / "rollouts.parquet", k, "train"
+                    ),
                 )
             )
             checks.append(
                 (f"{it}/checkpoint", *same_weights(ref_run / it / "checkpoint", new_run / it / "checkpoint"))
             )
         for f in sorted((ref_run / "eval").glob("*.parquet")):
-            checks.append((f"eval/{f.name}", *same_table(f, new_run / "eval" / f.name)))
+            step = int(f.stem.removeprefix("step_"))
+            checks.append((f"eval/{f.name}", *same_table(f, new_run / "eval" / f.name, step, "val")))
         for name, ok, detail in checks:
             print(f"  {name:32s} {'same' if ok else 'DIFFERENT'} ({detail})")
         ratio = sum(ok for _, ok, _ in checks) / len(checks)

@@ -303,7 +303,7 @@ class Plain:
         c0 = cpu_now()
         t0 = time.perf_counter()
         table, _env_metrics = s.call_worker(
-            "rollout", "train", k - 1, sampling_params(cfg, "train"), cfg.trainer.seed, self.run_id
+            "rollout", "train", k - 1, k, sampling_params(cfg, "train"), cfg.trainer.seed, self.run_id
         )
         t1 = time.perf_counter()
         scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
@@ -314,11 +314,10 @@ class Plain:
         t2 = time.perf_counter()
         s.learner.step(batch)
         t3 = time.perf_counter()
-        s.sync_weights()
-        s.at = k
+        s.advance(k)
         t4 = time.perf_counter()
         if eval_due(cfg, k):
-            s.call_worker("rollout", "val", 0, sampling_params(cfg, "val"), cfg.trainer.seed, self.run_id)
+            s.call_worker("rollout", "val", 0, k, sampling_params(cfg, "val"), cfg.trainer.seed, self.run_id)
         t5 = time.perf_counter()
         c1 = cpu_now()
         self.times[k] = t5 - t0

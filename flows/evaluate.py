@@ -139,7 +139,7 @@ def budgets(request: EvaluateRequest, protocol: ProtocolConfig | None, max_new: 
     return list(out.values())
 
 
-@flow(name="ragen-evaluate", flow_run_name="evaluate")
+@flow(name="ragen-evaluate", flow_run_name="evaluate/{request.policy}")
 def evaluate(request: EvaluateRequest) -> dict[str, object]:
     state = configure_environment()
     import pyarrow as pa
@@ -179,7 +179,7 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
                 "top_k": -1,
                 "max_new_tokens": b.max_new_tokens,
             }
-            table, m = worker.rollout("val", 0, params, request.seed, label)
+            table, m = worker.rollout("val", 0, 0, params, request.seed, label)
             tables.append(table)
             env_metrics.update({k: v for k, v in m.items() if k != "success"})
             for tag in b.tags:

@@ -42,7 +42,7 @@ def check_rerun(run: RunDir, k: int, stage: str) -> None:
         )
 
 
-@flow(name="ragen-rerun", flow_run_name="rerun-{request.stage}-{request.iteration}")
+@flow(name="ragen-rerun", flow_run_name="rerun/{request.run}/iteration-{request.iteration}/{request.stage}")
 def rerun(request: RerunRequest) -> dict[str, object]:
     configure_environment()
     run = find_run(request.run)

@@ -428,7 +428,7 @@ def run_sweep(
         s.parent.end(status)  # type: ignore[arg-type]
 
 
-@flow(name="ragen-sweep", flow_run_name="sweep")
+@flow(name="ragen-sweep", flow_run_name="sweep/{request.path}")
 def sweep(request: SweepRequest) -> dict[str, Any]:
     """Train every member of a sweep file under one MLflow parent run and write the comparison report."""
     return run_sweep(request)

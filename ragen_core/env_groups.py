@@ -259,32 +259,32 @@ class EnvGroups:
         """The env's turn records (the live list: do not mutate)."""
         return self._states[env_id].history
 
-    def seeds_for(self, iteration: int | None = None) -> list[int]:
+    def seeds_for(self, seed_round: int | None = None) -> list[int]:
         """Per-env seeds of a reset (docs/architecture.md, "Env groups and seeds"), without resetting.
 
-        train: group ``i`` gets ``base + iteration * P + i``; val: always ``base + i``. All N
-        members of a group share the seed.
+        train: group ``i`` gets ``base + seed_round * P + i`` (iteration ``k`` plays round ``k - 1``);
+        val: always ``base + i``. All N members of a group share the seed.
         """
         base = self.config.base_seed(self.mode)
         if self.mode == "val":
             offset = 0
         else:
-            it = self._resets if iteration is None else iteration
-            if it < 0:
-                raise ValueError(f"iteration must be >= 0, got {it}")
-            offset = it * self.num_groups
+            r = self._resets if seed_round is None else seed_round
+            if r < 0:
+                raise ValueError(f"seed_round must be >= 0, got {r}")
+            offset = r * self.num_groups
         return [base + offset + s.group_id for s in self._states]
 
     # ------------------------------------------------------------------ episode
-    def reset(self, iteration: int | None = None) -> list[int]:
+    def reset(self, seed_round: int | None = None) -> list[int]:
         """Start new episodes in every env; returns the seed of each env (by env_id).
 
-        ``iteration`` (0-based) picks the train seeds; ``None`` continues RAGEN's counter (which
-        an explicit iteration re-aligns). Val ignores it.
+        ``seed_round`` (0-based: iteration ``k`` plays round ``k - 1``) picks the train seeds;
+        ``None`` continues RAGEN's counter (which an explicit round re-aligns). Val ignores it.
         """
-        seeds = self.seeds_for(iteration)
+        seeds = self.seeds_for(seed_round)
         if self.mode == "train":
-            self._resets = (self._resets if iteration is None else iteration) + 1
+            self._resets = (self._resets if seed_round is None else seed_round) + 1
         for st, seed in zip(self._states, seeds, strict=True):
             state = st.env.reset(seed)
             st.seed = seed

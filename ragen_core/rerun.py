@@ -14,7 +14,7 @@ from ragen_core.integrity import CorruptFileError
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
 from ragen_core.stages import check_init_policy, play
-from ragen_core.trajectory import read_table, to_token_batch, write_table
+from ragen_core.trajectory import read_table, schema_version, to_token_batch, write_table
 
 
 @dataclass
@@ -71,33 +71,16 @@ def rerun_stage(
             table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
             _check_stored_table(run.rollouts(k), out)
-            same = out.read_bytes() == run.rollouts(k).read_bytes()
-            return RerunResult(
-                stage,
-                k,
-                out,
-                run.rollouts(k),
-                same,
-                "byte-identical Parquet" if same else "Parquet files differ",
-            )
+            return RerunResult(stage, k, out, run.rollouts(k), *_same_tables(out, run.rollouts(k)))
         if stage == "evaluate":
             session.restore(k)
-            table, _ = play(cfg, run, session, "val")
+            table, _ = play(cfg, run, session, "val", k)
             out = write_table(table, out_dir / "eval.parquet")
             stored = run.eval_file(k)
-            if stored.exists():
-                _check_stored_table(stored, out)
-            same = stored.exists() and out.read_bytes() == stored.read_bytes()
-            return RerunResult(
-                stage,
-                k,
-                out,
-                stored,
-                same,
-                "byte-identical Parquet"
-                if same
-                else ("no stored evaluation at this step" if not stored.exists() else "Parquet files differ"),
-            )
+            if not stored.exists():
+                return RerunResult(stage, k, out, stored, False, "no stored evaluation at this step")
+            _check_stored_table(stored, out)
+            return RerunResult(stage, k, out, stored, *_same_tables(out, stored))
         from ragen_core.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
@@ -138,6 +121,21 @@ def _check_stored_table(stored: Path, out: Path) -> None:
         read_table(stored)
     except TrajectoryFileError as exc:
         raise TrajectoryFileError(f"{exc}. {_NOT_COMPARED.format(out=out)}") from exc
+
+
+def _same_tables(out: Path, stored: Path) -> tuple[bool, str]:
+    """Byte-for-byte; a stored file of trajectory schema v1 (written before its ``iteration`` column
+    was numbered like the folders) is compared on every other column, since the rerun writes v2."""
+    if out.read_bytes() == stored.read_bytes():
+        return True, "byte-identical Parquet"
+    if schema_version(stored) == "1":
+        a, b = read_table(out).drop_columns(["iteration"]), read_table(stored).drop_columns(["iteration"])
+        if a.equals(b):
+            return (
+                True,
+                "identical rows (the stored file is trajectory schema v1: its iteration column held the seed round)",
+            )
+    return False, "Parquet files differ"
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -97,14 +97,15 @@ def sampling_params(cfg: RagenConfig, split: str) -> dict[str, Any]:
     }
 
 
-def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int = 1) -> tuple[pa.Table, dict]:
+def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int) -> tuple[pa.Table, dict]:
     """One episode per env of ``split`` with the session's current policy: iteration ``k``'s train
-    seeds, or the fixed validation seeds. Shared by the stages and their reruns."""
-    iteration = k - 1 if split == "train" else 0
+    seeds (round ``k - 1``), or the fixed validation seeds of the policy after ``k`` iterations. The
+    rows carry ``k``, as the folders and MLflow steps do. Shared by the stages and their reruns."""
     return session.call_worker(
         "rollout",
         split,
-        iteration,
+        k - 1 if split == "train" else 0,
+        k,
         sampling_params(cfg, split),
         cfg.trainer.seed,
         run.info().get("run_id", ""),
@@ -206,7 +207,7 @@ def evaluate_stage(
         return run.eval_file(step), stored["metrics"]
     session.restore(step)
     t0 = time.perf_counter()
-    table, env_metrics = play(cfg, run, session, "val")
+    table, env_metrics = play(cfg, run, session, "val", step)
     path = write_table(table, run.eval_file(step))
     metrics = {f"val-env/{key}": v for key, v in env_metrics.items()}
     metrics.update(_response_metrics(table, "val/"))

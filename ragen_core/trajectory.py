@@ -28,7 +28,11 @@ import torch
 from ragen_core.integrity import CorruptFileError, record, verify
 from ragen_core.storage import write_error
 
-SCHEMA_VERSION = "1"
+#: v2 numbers the ``iteration`` column as the folders and MLflow steps do: iteration ``k``'s train rows
+#: carry ``k``, validation rows the number of iterations their policy trained. v1 files (the same
+#: columns) held the 0-based seed round there instead (``k - 1``; 0 for validation); they stay readable.
+SCHEMA_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
 SCHEMA_VERSION_KEY = b"ragen.trajectory_schema_version"
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -184,9 +188,10 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
         raise TrajectoryFileError(
             f"{path}: no {SCHEMA_VERSION_KEY.decode()} metadata; not a ragen-flow trajectory file"
         )
-    if version.decode() != SCHEMA_VERSION:
+    if version.decode() not in READABLE_VERSIONS:
         raise TrajectoryFileError(
-            f"{path}: trajectory schema v{version.decode()}, this ragen-flow reads v{SCHEMA_VERSION}"
+            f"{path}: trajectory schema v{version.decode()}, this ragen-flow reads "
+            f"{' and '.join('v' + v for v in READABLE_VERSIONS)}; open it with the ragen-flow that wrote it"
         )
     missing = [n for n in SCHEMA.names if n not in table.schema.names]
     if missing:
@@ -199,6 +204,12 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
                 f"(trajectory schema v{SCHEMA_VERSION}); not a file this ragen-flow wrote, or it was edited"
             )
     return table.select(SCHEMA.names)
+
+
+def schema_version(path: str | os.PathLike[str]) -> str:
+    """The trajectory schema version a (readable) file was written with."""
+    metadata = pq.read_schema(path).metadata or {}
+    return metadata.get(SCHEMA_VERSION_KEY, b"").decode()
 
 
 def read_trajectories(path: str | os.PathLike[str]) -> list[Trajectory]:

@@ -394,6 +394,7 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             assert run["info"]["status"] == "FINISHED"
             assert run_name.startswith(f"{RUN_NAME}-") and tags["ragen.run_id"] == run_name
             assert tags["prefect.flow_run_id"] == flow_run_id
+            assert flow_run["name"] == f"train/{run_name}"  # Prefect names the flow run after the run
             assert tags["ragen.last_iteration"] == "2"
             assert Path(tags["ragen.run_dir"]).parent == runs.resolve()
 

@@ -62,9 +62,9 @@ class ChatTemplateError(ValueError):
     """The tokenizer's chat template cannot be grown turn by turn."""
 
 
-def turn_seed(seed: int, iteration: int, split: str, env_id: int, turn: int) -> int:
+def turn_seed(seed: int, seed_round: int, split: str, env_id: int, turn: int) -> int:
     """Sampling seed of one env's turn: a pure function of the run's seed and the position."""
-    ss = np.random.SeedSequence([seed, iteration, _SPLIT_CODES.get(split, 2), env_id, turn])
+    ss = np.random.SeedSequence([seed, seed_round, _SPLIT_CODES.get(split, 2), env_id, turn])
     return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(2))
 
 
@@ -190,20 +190,24 @@ def run_rollouts(
     params: SamplingParams,
     *,
     seed: int,
+    seed_round: int = 0,
     iteration: int = 0,
     run_id: str = "",
 ) -> list[Trajectory]:
-    """Play one episode in every env of ``groups`` (reset for ``iteration``) and return trajectories.
+    """Play one episode in every env of ``groups`` (reset for ``seed_round``) and return trajectories
+    labelled ``iteration``.
 
     Each turn, all live envs generate in one batch; finished envs drop out. Sampling seeds depend
-    only on (seed, iteration, split, env_id, turn), so the same config gives the same tokens.
+    only on (seed, seed_round, split, env_id, turn), so the same config gives the same tokens. The
+    pipeline's iteration ``k`` plays train round ``k - 1``; validation always plays round 0 and is
+    labelled with the number of iterations its policy has trained.
     """
     protocol = groups.protocol
     prefix = forced_prefix(protocol)
     seg = Segments(tokenizer, prefix)
     window = protocol.max_context_window
     split = groups.mode
-    groups.reset(iteration)
+    groups.reset(seed_round)
     convs = {i: _Conversation() for i in groups.env_ids}
     progress = _Progress(split, len(convs), protocol.max_turn)
 
@@ -229,7 +233,7 @@ def run_rollouts(
             for env_id in active:
                 messages, turns, start = visible(env_id, True)
                 prompts.append(seg.assemble(messages, turns, start)[0])
-            seeds = [turn_seed(seed, iteration, split, env_id, turn) for env_id in active]
+            seeds = [turn_seed(seed, seed_round, split, env_id, turn) for env_id in active]
             gens: list[Generation] = engine.generate(prompts, params, seeds)
             responses = {}
             for env_id, gen in zip(active, gens, strict=True):

@@ -103,9 +103,16 @@ class RolloutWorker:
         )
 
     def rollout(
-        self, split: str, iteration: int, params: Mapping[str, Any], seed: int, run_id: str = ""
+        self,
+        split: str,
+        seed_round: int,
+        iteration: int,
+        params: Mapping[str, Any],
+        seed: int,
+        run_id: str = "",
     ) -> tuple[pa.Table, dict[str, float]]:
-        """Play one episode per env of ``split``; returns (trajectory table, env metrics)."""
+        """Play one episode per env of ``split`` (seeds of ``seed_round``, rows labelled
+        ``iteration``: see ``run_rollouts``); returns (trajectory table, env metrics)."""
         groups = self.groups[split]
         trajs = run_rollouts(
             groups,
@@ -113,6 +120,7 @@ class RolloutWorker:
             self.tokenizer,
             SamplingParams(**params),
             seed=seed,
+            seed_round=seed_round,
             iteration=iteration,
             run_id=run_id,
         )

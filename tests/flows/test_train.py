@@ -164,6 +164,22 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
     assert "#/experiments/" in out
 
 
+def test_iterations_are_numbered_alike_on_disk_in_parquet_and_in_mlflow(reference: tuple[Path, Path]) -> None:
+    """Iteration k's folder, its rollout rows and its MLflow step all say k; a validation file and its
+    rows say how many iterations the policy trained (0: before training)."""
+    import pyarrow.parquet as pq
+
+    state, run = reference
+    for k in (1, 2, 3):
+        rows = pq.read_table(run / f"iter_{k:04d}" / "rollouts.parquet").column("iteration").to_pylist()
+        assert set(rows) == {k}, (k, set(rows))
+    evals = sorted((run / "eval").glob("step_*.parquet"))
+    assert [f.name for f in evals] == ["step_0000.parquet", "step_0003.parquet"]
+    for f in evals:
+        assert set(pq.read_table(f).column("iteration").to_pylist()) == {int(f.stem[5:])}
+    assert mlflow_steps(state, run) == [0, 1, 2, 3]
+
+
 def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Path], tmp_path: Path) -> None:
     """bandit-tiny runs its iterations as nested task runs; as subflows (the default of the paper
     configs) the same config trains the same weights and logs the same steps."""
@@ -253,6 +269,38 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
             assert result.identical, (k, stage, result.detail)
     cli = ragen(["rerun", str(run.root), "--iteration", "3", "--stage", "learn"], tmp_path)
     assert cli.returncode == 0 and "identical" in cli.stdout, cli.stdout[-3000:] + cli.stderr[-3000:]
+
+
+def test_a_run_stored_before_the_renumbering_reruns_identical(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A run written by an older ragen-flow has v1 Parquet files (iteration column = k - 1): the
+    rerun, which writes v2, compares every other column and finds them identical."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ragen_core.integrity import record
+    from ragen_core.rerun import rerun_stage
+    from ragen_core.run_dir import RunDir
+    from ragen_core.trajectory import SCHEMA_VERSION_KEY
+
+    copy = tmp_path / reference[1].name
+    shutil.copytree(reference[1], copy)
+    path = copy / "iter_0002" / "rollouts.parquet"
+    table = pq.read_table(path)
+    old = table.set_column(
+        table.schema.get_field_index("iteration"), "iteration", pa.array([1] * table.num_rows, pa.int32())
+    )
+    pq.write_table(old.replace_schema_metadata({SCHEMA_VERSION_KEY: b"1"}), path, compression="zstd")
+    record(path)  # as the older version recorded it
+    result = rerun_stage(RunDir(copy), 2, "rollout", tmp_path / "rerun", backend="local")
+    assert result.identical and "schema v1" in result.detail, result.detail
+    changed = old.set_column(
+        table.schema.get_field_index("score"), "score", pa.array([9.0] * table.num_rows, pa.float32())
+    )
+    pq.write_table(changed.replace_schema_metadata({SCHEMA_VERSION_KEY: b"1"}), path, compression="zstd")
+    record(path)
+    assert not rerun_stage(RunDir(copy), 2, "rollout", tmp_path / "rerun2", backend="local").identical
 
 
 def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path: Path) -> None:

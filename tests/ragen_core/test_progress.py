@@ -76,7 +76,7 @@ def test_long_rollouts_report_progress_and_short_ones_stay_quiet(
             EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=3)
         )
         runner.run_rollouts(
-            groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=4), seed=0, iteration=7
+            groups, HFEngine(model, tok), tok, SamplingParams(max_new_tokens=4), seed=0, seed_round=7
         )
 
     with caplog.at_level(logging.INFO, logger="ragen.progress"):

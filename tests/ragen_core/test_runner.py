@@ -34,7 +34,9 @@ def sokoban_rollouts(policy, n_groups=16, group_size=4, max_turn=3, max_new_toke
         ProtocolConfig(max_turn=max_turn, max_context_window=window),
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
-    return run_rollouts(groups, HFEngine(model, tok), tok, params, seed=seed, iteration=2, run_id="t")
+    return run_rollouts(
+        groups, HFEngine(model, tok), tok, params, seed=seed, seed_round=2, iteration=3, run_id="t"
+    )
 
 
 def recomputed_logprobs(model, trajs):
@@ -73,7 +75,7 @@ def test_turns_reuse_the_kv_cache_and_give_the_same_trajectories(policy):
         groups = EnvGroups(
             EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[6], group_size=2), ProtocolConfig(max_turn=3)
         )
-        return run_rollouts(groups, engine, tok, params, seed=5, iteration=1)
+        return run_rollouts(groups, engine, tok, params, seed=5, seed_round=1, iteration=2)
 
     reuse, full = HFEngine(model, tok), NoReuseEngine(model, tok)
     a, b = play(reuse), play(full)
@@ -169,3 +171,23 @@ def test_tokenizer_without_chat_template_is_refused(policy):
     groups = EnvGroups(EnvGroupsConfig(tags=["Bandit"], n_groups=[1], group_size=1))
     with pytest.raises(ChatTemplateError, match="no chat_template"):
         run_rollouts(groups, HFEngine(model, bare), bare, SamplingParams(max_new_tokens=4), seed=0)
+
+
+def test_rows_carry_the_iteration_label_and_the_seed_round_alone_picks_the_episodes(policy):
+    """The pipeline labels iteration k's rows k while it plays seed round k - 1 (and validation
+    always round 0): relabelling never changes what is played."""
+    model, tok = policy
+
+    def play(seed_round, iteration):
+        groups = EnvGroups(
+            EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=2)
+        )
+        params = SamplingParams(temperature=1.0, max_new_tokens=8)
+        return run_rollouts(
+            groups, HFEngine(model, tok), tok, params, seed=3, seed_round=seed_round, iteration=iteration
+        )
+
+    a, b, c = play(4, 5), play(4, 12), play(5, 5)
+    assert {t.iteration for t in a} == {5} and {t.iteration for t in b} == {12}
+    assert [(t.seed, t.input_ids) for t in a] == [(t.seed, t.input_ids) for t in b]
+    assert [t.seed for t in c] != [t.seed for t in a]

@@ -74,7 +74,7 @@ def test_round_trip_gives_identical_rows_and_tensors(tmp_path: Path) -> None:
     assert b.input_ids.shape == (6, 13)
     assert b.attention_mask.sum().item() == sum(8 + i for i in range(6))
     meta = pq.read_schema(path).metadata
-    assert meta[SCHEMA_VERSION_KEY] == b"1"
+    assert meta[SCHEMA_VERSION_KEY] == b"2"
     assert pq.ParquetFile(path).metadata.row_group(0).column(0).compression == "ZSTD"
 
 
@@ -223,3 +223,22 @@ def test_a_full_disk_names_the_file_and_the_fix(tmp_path: Path, monkeypatch: pyt
     )
     assert isinstance(err.value, OSError) and err.value.errno == errno.ENOSPC and err.value.user_error
     assert os.listdir(target.parent) == []  # no temporary file left behind
+
+
+def test_files_of_an_older_schema_version_stay_readable_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    """v1 files (iteration column numbered from 0) have the same columns: runs written before the
+    renumbering still resume and rerun. A version this code does not know is refused by name."""
+    from ragen_core.trajectory import schema_version
+
+    table = to_table([make_traj(i) for i in range(2)])
+    for version in ("1", "9"):
+        pq.write_table(
+            table.replace_schema_metadata({SCHEMA_VERSION_KEY: version.encode()}),
+            tmp_path / f"v{version}.parquet",
+        )
+    assert schema_version(tmp_path / "v1.parquet") == "1"
+    assert read_table(tmp_path / "v1.parquet").equals(table)
+    with pytest.raises(
+        TrajectoryFileError, match=r"v9\.parquet: trajectory schema v9, this ragen-flow reads v1 and v2"
+    ):
+        read_table(tmp_path / "v9.parquet")
