@@ -59,7 +59,6 @@ __all__ = [
     "default_name",
     "import_gguf",
     "model_provenance",
-    "models_dir",
     "read_provenance",
     "resolve_source",
 ]
@@ -142,11 +141,6 @@ class ImportResult:
 # ------------------------------------------------------------------------------------------------
 # Sources
 # ------------------------------------------------------------------------------------------------
-def models_dir(state_dir: str | os.PathLike | None = None) -> Path:
-    """``<state>/models``: ``state_dir`` or ``$RAGEN_STATE_DIR`` (default ``.state``)."""
-    return Path(state_dir if state_dir is not None else state_folder.state_dir()) / "models"
-
-
 def default_name(gguf: str | os.PathLike) -> str:
     """The folder name for a GGUF file: its name without ``.gguf`` and the quantization, lower case.
 
@@ -646,7 +640,7 @@ def import_gguf(
     info = check_gguf(src.path)
     if info.chat_template is None and template_text is None:
         raise _no_template(src.path)
-    models = models_dir(state_dir)
+    models = state_folder.models_dir(state_dir)
     target = models / (name or default_name(src.path))
     sha = sha256_file(src.path)
     if not force and (found := _existing(target, sha, dtype)) is not None:

@@ -138,7 +138,7 @@ class ModelConfig(BaseModel):
         the tiny local model. An imported model that is missing is an error that says how to import it."""
         if self.imported is None:
             return self.path
-        from ragen_core.model_import import models_dir
+        from ragen_core.state_folder import models_dir
 
         folder = models_dir() / self.imported
         if not (folder / "config.json").is_file():

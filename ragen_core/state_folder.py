@@ -17,6 +17,11 @@ def state_dir() -> Path:
     return Path(os.environ.get(STATE_ENV, DEFAULT_STATE_DIR))
 
 
+def models_dir(state: str | os.PathLike[str] | None = None) -> Path:
+    """``<state>/models``, where ``ragen model import`` puts models: ``state`` or the state folder."""
+    return Path(state if state is not None else state_dir()) / "models"
+
+
 def cache_dir() -> Path:
     """ragen-flow's folder in the user cache: ``$XDG_CACHE_HOME/ragen-flow``, else
     ``~/.cache/ragen-flow`` (an empty ``XDG_CACHE_HOME`` counts as unset, as in the Makefile)."""

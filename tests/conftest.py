@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +37,18 @@ def prefect_server() -> str:
     from tests.prefect_server import api_url
 
     return api_url()
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One state folder (so one local MLflow store) for a module's tests."""
+    return tmp_path_factory.mktemp("state")
+
+
+@pytest.fixture
+def local_state(monkeypatch: pytest.MonkeyPatch, state: Path) -> Path:
+    """The module's state folder as this test's ``RAGEN_STATE_DIR``, with MLflow tracking to its
+    local store (a ``MLFLOW_TRACKING_URI`` from the caller's shell is ignored)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(state))
+    return state

@@ -30,22 +30,10 @@ from tests.process_env import child_env
 from tests.ragen_core.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_state")]
 
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One local MLflow store for the module (creating the sqlite schema takes seconds)."""
-    return tmp_path_factory.mktemp("state")
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, state: Path) -> None:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("RAGEN_STATE_DIR", str(state))
 
 
 # ------------------------------------------------------------------------------------ resume logic

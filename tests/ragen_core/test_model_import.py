@@ -28,8 +28,8 @@ from ragen_core.model_import import (
     default_name,
     import_gguf,
     model_provenance,
-    models_dir,
 )
+from ragen_core.state_folder import models_dir
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # one torch thread: tests/conftest.py

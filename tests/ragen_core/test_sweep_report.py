@@ -16,17 +16,7 @@ from ragen_core.sweep.report import build_report, monitor_from_params
 from ragen_core.sweep.tags import ERROR_TAG, GROUP_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
 
-
-@pytest.fixture(scope="module")
-def state(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One local MLflow store for the module (creating the sqlite schema takes seconds)."""
-    return tmp_path_factory.mktemp("state")
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch, state: Path) -> None:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("RAGEN_STATE_DIR", str(state))
+pytestmark = pytest.mark.usefixtures("local_state")
 
 
 def synthetic_history(
