@@ -1,5 +1,6 @@
 """Where a user watching a run sees its progress: the line per iteration and the closing lines
-(``ragen_core.progress`` writes them) go to the terminal and to the flow run's Prefect logs.
+(``ragen_core.progress`` writes them) go to the terminal and to the flow run's Prefect logs; the flow
+run also gets a link artifact to its MLflow run, a progress artifact, and an event per Echo-Trap signal.
 
 The CLI keeps Prefect's own INFO chatter off the terminal (``PREFECT_LOGGING_LEVEL=WARNING``, set by
 ``flows.settings``); these lines go through a child of the run logger whose own level is INFO. Python
@@ -10,8 +11,16 @@ they reach Prefect's API handler (the flow run's logs in the UI) and the console
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
+from typing import Any
 
 from prefect import get_run_logger
+
+from ragen_core.monitor import Signal
+
+#: The prefix of the Prefect events an Echo-Trap signal emits: ``ragen.echo-trap.entropy-collapse`` ...
+ECHO_TRAP_EVENT = "ragen.echo-trap"
 
 
 def progress_logger() -> logging.LoggerAdapter:
@@ -26,3 +35,109 @@ def progress_logger() -> logging.LoggerAdapter:
     child = base.logger.getChild("ragen")
     child.setLevel(logging.INFO)
     return type(base)(child, base.extra)
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key from ``parts``: Prefect wants lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")
+
+
+def _in_flow_run() -> Any:
+    """The current flow run, or None outside one (a flow's ``.fn`` called directly, a plain test)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx.flow_run if ctx is not None and ctx.flow_run is not None else None
+
+
+def name_flow_run(name: str, log: Any) -> None:
+    """Rename this flow run once what it runs is known (``train/<run id>``, ``sweep/<sweep folder>``;
+    before that Prefect shows the flow's plain name). A name is a convenience: an API that refuses it
+    costs a warning, not the run."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    flow_run = _in_flow_run()
+    if flow_run is None:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, name=name)
+    except (httpx.HTTPError, PrefectHTTPStatusError, OSError) as exc:
+        log.warning("could not name the Prefect flow run %r: %s", name, exc)
+
+
+def link_mlflow_run(run_id: str, url: str | None, mlflow_run_id: str) -> None:
+    """A link artifact on the flow run pointing at its MLflow run (a run on a store without a UI
+    address gets a markdown artifact naming the MLflow run id instead)."""
+    from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+    if _in_flow_run() is None:
+        return
+    key = artifact_key("mlflow", run_id)
+    if url:
+        create_link_artifact(url, link_text=f"MLflow run of {run_id}", key=key, description="MLflow run")
+    else:
+        create_markdown_artifact(f"MLflow run id: `{mlflow_run_id}`", key=key, description="MLflow run")
+
+
+def report_artifact(markdown: str, name: str, description: str) -> None:
+    """A markdown artifact ``report-<name>`` on the current flow run (none outside a flow run)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    if _in_flow_run() is not None:
+        create_markdown_artifact(markdown, key=artifact_key("report", name), description=description)
+
+
+class PrefectObserver:
+    """Shows a training loop in Prefect: a progress artifact updated after every iteration (its
+    description is the iteration line), and each Echo-Trap signal as an event
+    ``ragen.echo-trap.<signal>`` about the run, related to the flow run, which an automation can
+    react to (pause, cancel, notify: README, "Reacting to Echo-Trap signals")."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.flow_run = _in_flow_run()
+        self.progress_id: Any = None
+
+    def iteration_done(self, k: int, total: int, line: str) -> None:
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        if self.flow_run is None:
+            return
+        percent = 100.0 * min(k, total) / max(total, 1)
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(
+                percent, key=artifact_key("progress", self.run_id), description=line
+            )
+        else:
+            update_progress_artifact(self.progress_id, percent, description=line)
+
+    def signalled(self, k: int, signals: Sequence[Signal], action: str) -> None:
+        from prefect.events import emit_event
+
+        related = []
+        if self.flow_run is not None:
+            related.append(
+                {
+                    "prefect.resource.id": f"prefect.flow-run.{self.flow_run.id}",
+                    "prefect.resource.role": "flow-run",
+                    "prefect.resource.name": self.flow_run.name,
+                }
+            )
+        for s in signals:
+            emit_event(
+                event=f"{ECHO_TRAP_EVENT}.{s.name.replace('_', '-')}",
+                resource={
+                    "prefect.resource.id": f"ragen.run.{self.run_id}",
+                    "prefect.resource.name": self.run_id,
+                },
+                related=related,
+                payload={
+                    "iteration": k,
+                    "signal": s.name,
+                    "message": s.message,
+                    "monitor_action": action,
+                },
+            )

@@ -52,6 +52,7 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel, Field
 
+from flows.reporting import name_flow_run, report_artifact
 from flows.settings import configure_environment
 from flows.train import TrainRequest
 from ragen_core.sweep.report import build_report
@@ -389,6 +390,8 @@ class _Sweep:
         rep.write(out)
         if self.tracking.log_artifacts:
             self.parent.log_artifacts(out, "report")
+        # The same report on the sweep's flow run (its curves stay files: Prefect shows no local images).
+        report_artifact(rep.to_markdown(), self.folder.name, f"sweep report, also in {out}")
         return out
 
 
@@ -399,6 +402,7 @@ def run_sweep(
     (tests); by default members train in this process (concurrency 1) or in their own processes."""
     state = configure_environment(state_dir)
     s = _Sweep(request, train_fn, state)
+    name_flow_run(f"sweep/{s.folder.name}", s.log)
     parent = s.start_parent()
     log = s.log
     log.info(
@@ -428,7 +432,7 @@ def run_sweep(
         s.parent.end(status)  # type: ignore[arg-type]
 
 
-@flow(name="ragen-sweep", flow_run_name="sweep/{request.path}")
+@flow(name="ragen-sweep", flow_run_name="sweep")
 def sweep(request: SweepRequest) -> dict[str, Any]:
     """Train every member of a sweep file under one MLflow parent run and write the comparison report."""
     return run_sweep(request)

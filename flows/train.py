@@ -20,7 +20,7 @@ from prefect.context import get_run_context
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
-from flows.reporting import progress_logger
+from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, progress_logger
 from flows.settings import configure_environment
 from ragen_core.config import RagenConfig
 from ragen_core.run_dir import RunDir
@@ -91,20 +91,6 @@ iteration_task = task(
 )(run_iteration)
 
 
-def _name_flow_run(name: str, log: Any) -> None:
-    """Rename this flow run once its run id is known (before that, Prefect shows ``train``). A name
-    is a convenience: an API that refuses it costs a warning, not the run."""
-    import httpx
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import PrefectHTTPStatusError
-
-    try:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(get_run_context().flow_run.id, name=name)
-    except (httpx.HTTPError, PrefectHTTPStatusError, OSError) as exc:
-        log.warning("could not name the Prefect flow run %r: %s", name, exc)
-
-
 def iteration_runner(cfg: RagenConfig) -> Any:
     """The iteration callable ``trainer.iteration_as`` asks for."""
     return iteration_task if cfg.trainer.iteration_as == "task" else iteration_flow
@@ -130,11 +116,15 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         name=request.run_name,
         backend=request.backend,
     )
-    with opened as (run, cfg, tracker), Training(run, cfg, tracker, log, progress_logger()) as training:
-        _name_flow_run(f"train/{training.run_id}", log)
-        training.start_tracking(
+    with (
+        opened as (run, cfg, tracker),
+        Training(run, cfg, tracker, log, progress_logger(), PrefectObserver(run.root.name)) as training,
+    ):
+        name_flow_run(f"train/{training.run_id}", log)
+        mlflow_run = training.start_tracking(
             request.parent_run_id, {"prefect.flow_run_id": str(get_run_context().flow_run.id)}
         )
+        link_mlflow_run(training.run_id, tracker.run_url(mlflow_run), mlflow_run)
         warm_start_task(str(run.root))
         training.log_config()
         register_session(run, training.open_session())

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
@@ -45,6 +45,22 @@ from ragen_core.trajectory import read_trajectories
 Log = logging.Logger | logging.LoggerAdapter
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
 Iteration = Callable[[int], Mapping[str, float]]
+
+
+class Observer(Protocol):
+    """What the orchestrator shows of the loop in its own UI (Prefect: a progress artifact, events)."""
+
+    def iteration_done(self, k: int, total: int, line: str) -> None: ...
+
+    def signalled(self, k: int, signals: Sequence[Signal], action: str) -> None: ...
+
+
+class _NoObserver:
+    def iteration_done(self, k: int, total: int, line: str) -> None:
+        pass
+
+    def signalled(self, k: int, signals: Sequence[Signal], action: str) -> None:
+        pass
 
 
 @contextmanager
@@ -107,8 +123,17 @@ class Training:
     exit the tracking calls are flushed, the session closed and the MLflow run ended, FINISHED only
     after :meth:`finish`)."""
 
-    def __init__(self, run: RunDir, cfg: RagenConfig, tracker: Tracker, log: Log, progress: Log) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        cfg: RagenConfig,
+        tracker: Tracker,
+        log: Log,
+        progress: Log,
+        observer: Observer | None = None,
+    ) -> None:
         self.run, self.cfg, self.tracker, self.log, self.progress = run, cfg, tracker, log, progress
+        self.observer: Observer = observer or _NoObserver()
         #: run.json as the run started in this process (its MLflow run id and uploads of earlier processes)
         self.info: dict[str, Any] = run.info()
         self.run_id: str = self.info["run_id"]
@@ -216,9 +241,10 @@ class Training:
             self._signal(k, signals)
             metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
         self.background.submit(self._log_step, k, dict(metrics))
-        self.progress.info(
-            iteration_line(k, self.cfg.trainer.iterations, metrics, self.clock.lap(), self.clock.eta(k))
-        )
+        total = self.cfg.trainer.iterations
+        line = iteration_line(k, total, metrics, self.clock.lap(), self.clock.eta(k))
+        self.progress.info(line)
+        self.observer.iteration_done(k, total, line)
         if self.monitor.should_stop:
             self.background.submit(self.tracker.set_tags, {"echo_trap.action": f"stopped at iteration {k}"})
             return False
@@ -232,6 +258,8 @@ class Training:
         )
         for s in signals:
             self.log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
+        # What the monitor does about them (the config's monitor.action: none, stop or rollback) is decided after.
+        self.observer.signalled(k, signals, self.cfg.monitor.action)
 
     def _roll_back(self, k: int) -> None:
         """Continue from the monitor's chosen earlier step; recorded as an event, never by rewriting

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from tests.process_env import child_env
 
@@ -84,3 +86,16 @@ def shared_server_env() -> dict[str, str]:
     if os.environ.get("RAGEN_TEST_EPHEMERAL_PREFECT") == "1":
         return {}
     return {"PREFECT_API_URL": api_url()}
+
+
+def prefect_api(path: str, body: dict[str, Any] | None = None) -> Any:
+    """POST ``body`` to (or GET) ``path`` of the shared server's REST API, where the CLI runs report."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        f"{api_url()}{path}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="POST" if data else "GET",
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())

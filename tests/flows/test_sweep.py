@@ -25,7 +25,7 @@ from ragen_core.run_dir import RunDir
 from ragen_core.sweep.state import SweepState
 from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
-from tests.prefect_server import shared_server_env
+from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
 from tests.ragen_core.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep
 
@@ -246,6 +246,13 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     assert list(ok["metrics"]) == ["val-env/Bandit/success"]
     md = (folder / "report" / "report.md").read_text()
     assert "## Failed members" in md and "impossible-s0" in md
+    # ... and on the sweep's flow run in Prefect, as a markdown artifact
+    (flow_run,) = prefect_api(
+        "/flow_runs/filter", {"flow_runs": {"name": {"any_": [f"sweep/{folder.name}"]}}}
+    )
+    arts = prefect_api("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+    (artifact,) = [a for a in arts if a["key"] == f"report-{folder.name}"]
+    assert artifact["type"] == "markdown" and "## Failed members" in artifact["data"]
     run = RunDir(next((tmp_path / "runs").iterdir()))
     assert run.done_file(1).exists()
 

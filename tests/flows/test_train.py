@@ -18,7 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.prefect_server import shared_server_env
+from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -164,6 +164,28 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
     assert "#/experiments/" in out
 
 
+def flow_run_artifacts(run_id: str) -> dict[str, dict]:
+    """The latest artifacts of the train flow run that trained ``run_id`` (named ``train/<run id>``), by key."""
+    runs = prefect_api("/flow_runs/filter", {"flow_runs": {"name": {"any_": [f"train/{run_id}"]}}})
+    assert len(runs) == 1, runs
+    arts = prefect_api("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [runs[0]["id"]]}}})
+    return {a["key"]: a for a in arts}
+
+
+def test_the_flow_run_links_its_mlflow_run_and_shows_progress(reference: tuple[Path, Path]) -> None:
+    """Prefect's artifacts page: a link to the MLflow run and a progress bar that ends at 100 %, whose
+    description is the last iteration line."""
+    _state, run = reference
+    info = json.loads((run / "run.json").read_text())
+    arts = flow_run_artifacts(info["run_id"])
+    key = info["run_id"].lower()
+    link = arts[f"mlflow-{key}"]
+    assert link["type"] == "markdown" and info["mlflow_run_id"] in link["data"]  # a link, rendered by Prefect
+    progress = arts[f"progress-{key}"]
+    assert progress["type"] == "progress" and progress["data"] == 100.0
+    assert progress["description"].startswith("iteration 3/3 | train success")
+
+
 def test_iterations_are_numbered_alike_on_disk_in_parquet_and_in_mlflow(reference: tuple[Path, Path]) -> None:
     """Iteration k's folder, its rollout rows and its MLflow step all say k; a validation file and its
     rows say how many iterations the policy trained (0: before training)."""
@@ -269,6 +291,22 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
             assert result.identical, (k, stage, result.detail)
     cli = ragen(["rerun", str(run.root), "--iteration", "3", "--stage", "learn"], tmp_path)
     assert cli.returncode == 0 and "identical" in cli.stdout, cli.stdout[-3000:] + cli.stderr[-3000:]
+    # Each signal was also a Prefect event about the run, related to its flow run (what automations match).
+    events = prefect_api(
+        "/events/filter",
+        {
+            "filter": {
+                "event": {"prefix": ["ragen.echo-trap."]},
+                "resource": {"id": [f"ragen.run.{run.root.name}"]},
+            }
+        },
+    )["events"]
+    assert events, "no ragen.echo-trap.* event reached Prefect"
+    assert {e["payload"]["iteration"] for e in events} >= {2}
+    for e in events:
+        assert any(r["prefect.resource.id"].startswith("prefect.flow-run.") for r in e["related"]), e[
+            "related"
+        ]
 
 
 def test_a_run_stored_before_the_renumbering_reruns_identical(

@@ -1,0 +1,76 @@
+"""What a run shows in Prefect beyond its logs: artifact keys, and the README's automation reacting to an
+Echo-Trap event on a real Prefect server (the training flow's own artifacts and events are checked on
+real runs in tests/flows/test_train.py)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.reporting import ECHO_TRAP_EVENT, artifact_key
+
+#: a real Prefect server (started once per test process): `make test` runs it, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_artifact_keys_are_what_prefect_accepts() -> None:
+    assert artifact_key("mlflow", "Bandit_Tiny.v2-691cb3ea") == "mlflow-bandit-tiny-v2-691cb3ea"
+    assert re.fullmatch(r"[a-z0-9-]+", artifact_key("report", "filter ratio/0.25")), (
+        "lowercase, digits, dashes"
+    )
+
+
+def test_the_readme_automation_cancels_the_flow_run_an_echo_trap_event_is_related_to(
+    prefect_server: str,
+) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Running
+
+    code = re.search(r"### What a run shows in Prefect.*?```python\n(.*?)```", README.read_text(), re.S)
+    assert code, "README: no automation example"
+
+    @flow(name="echo-trap-victim")
+    def victim() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
+        namespace: dict = {}
+        exec(code.group(1), namespace)  # the README's own code creates the automation
+        from prefect.automations import Automation
+
+        automation = Automation.read(name="ragen-cancel-on-echo-trap")
+        try:
+            with get_client(sync_client=True) as client:
+                run = client.create_flow_run(victim, name="train/victim-run")
+                client.set_flow_run_state(run.id, Running(), force=True)
+                # The server starts matching the new automation after it reloads them (a few seconds).
+                deadline, state = time.monotonic() + 60, None
+                while time.monotonic() < deadline:
+                    emit_event(
+                        event=f"{ECHO_TRAP_EVENT}.entropy-collapse",
+                        resource={"prefect.resource.id": "ragen.run.victim-run"},
+                        related=[
+                            {
+                                "prefect.resource.id": f"prefect.flow-run.{run.id}",
+                                "prefect.resource.role": "flow-run",
+                            }
+                        ],
+                        payload={"iteration": 2},
+                    )
+                    EventsWorker.drain_all()
+                    time.sleep(3)
+                    state = client.read_flow_run(run.id).state
+                    if state is not None and state.type.value in ("CANCELLING", "CANCELLED"):
+                        break
+                assert state is not None and state.type.value in ("CANCELLING", "CANCELLED"), state
+        finally:
+            automation.delete()
