@@ -1,0 +1,529 @@
+"""Episodes as MLflow traces: one trace per episode, one chat span per turn, the outcome as feedback.
+
+A researcher reads a run's episodes in the MLflow UI (the run's Traces tab, the experiment's Sessions
+tab) instead of in Parquet files. What is traced (docs/metrics.md, "Episodes as MLflow traces"):
+
+* each iteration, a sample of the train rollouts: per env tag the first ``traces_per_tag`` episodes
+  of its groups in the filter's order (kept groups first, largest score std first), so a sample
+  shows members of one group side by side, and the groups the learner trained on;
+* at the final step, every validation episode (tags taken in turn when the cap cuts);
+* at most ``max_traces_per_step`` traces per step and file.
+
+A trace holds a root span (``AGENT``: the whole conversation) and one ``CHAT_MODEL`` span per turn
+whose inputs are ``{"messages": [...]}`` (the conversation up to the turn's user message) and whose
+output is the assistant text: the shapes the MLflow UI renders as a chat. The text is the trajectory
+table's ``messages`` column, which holds exactly what the model saw and wrote (assistant contents as
+the model wrote them, docs/architecture.md "Trajectory schema"); nothing is re-rendered here. The
+turn's parsed actions, environment reply (the next user message), reward, format penalty, validity
+and effectiveness are its ``ragen.*`` attributes. With ``agent.max_context_window`` shorter than an
+episode, the table keeps only the last window, numbered from its first turn: only the last turn's
+prompt is then the one the model saw, so earlier turns show their output only (``ragen.prompt`` says
+why). Span times only order the turns (1 ms each); they are not measured durations.
+
+Metadata (immutable, searchable): ``ragen.run_id``, ``ragen.iteration``, ``ragen.split``,
+``ragen.env_tag``, ``ragen.seed``, ``ragen.group_id``, ``ragen.env_id``, ``ragen.success``; the
+session (``mlflow.trace.session``) is the group, so a group's members sit together; the source run
+(``mlflow.sourceRun``) is the training run, so the traces are on its Traces tab. Feedback from
+source ``CODE``/``ragen-flow``: ``score``, ``success``, and for train episodes ``filter_kept`` and
+``group_reward_std`` (the unbiased std of the group's scores, the filter's statistic).
+
+Traces are written straight to the store of a ``TracingClient`` made for the run's tracking URI
+(``start_trace`` with metadata, tags and feedback, then one ``log_spans`` for all spans), never
+through MLflow's global tracer, active experiment or active run: runs and sweeps log from threads.
+Trace ids are derived from (MLflow run, split, step, env id), so a step re-logged after a
+resume skips the traces it already has instead of duplicating them.
+
+Like ``tracking.py``, this module imports ``mlflow`` lazily; only the Tracker calls it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from ragen_core.trajectory import read_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    from mlflow.entities import Span, TraceInfo
+    from mlflow.tracing.client import TracingClient
+
+#: The source of the feedback this module logs (MLflow ``AssessmentSource``: type CODE).
+SOURCE_ID = "ragen-flow"
+#: Metadata keys (``metadata.`ragen.iteration` = '3'`` in a ``search_traces`` filter string).
+RUN_KEY, ITERATION_KEY, SPLIT_KEY = "ragen.run_id", "ragen.iteration", "ragen.split"
+TAG_KEY, SEED_KEY, GROUP_KEY, ENV_KEY, SUCCESS_KEY = (
+    "ragen.env_tag",
+    "ragen.seed",
+    "ragen.group_id",
+    "ragen.env_id",
+    "ragen.success",
+)
+#: Columns a trace needs (the token columns are dropped at once: they are most of a file's bytes).
+COLUMNS = (
+    "run_id",
+    "iteration",
+    "split",
+    "env_tag",
+    "group_id",
+    "env_id",
+    "seed",
+    "turn_count",
+    "success",
+    "truncated",
+    "reward",
+    "format_penalty",
+    "score",
+    "messages",
+    "actions",
+    "turn_rewards",
+    "info",
+)
+#: MLflow's limit on a trace's request/response preview is larger; the list view shows far less.
+PREVIEW_CHARS = 1000
+_NS_PER_MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Group:
+    """What the filter saw of one group (train only)."""
+
+    kept: bool
+    score_std: float
+
+
+# ---------------------------------------------------------------------------- choosing episodes
+def group_stats(table: pa.Table, kept_rows: Iterable[int]) -> dict[int, Group]:
+    """Per ``group_id``: whether the filter kept it (any of its rows is in ``kept_rows``: the filter
+    keeps whole groups) and the unbiased std of its scores (0 for a group of one, as the filter's
+    logged statistics count it)."""
+    kept = set(kept_rows)
+    scores: dict[int, list[float]] = defaultdict(list)
+    kept_groups: set[int] = set()
+    for i, (g, s) in enumerate(
+        zip(table.column("group_id").to_pylist(), table.column("score").to_pylist(), strict=True)
+    ):
+        scores[g].append(float(s))
+        if i in kept:
+            kept_groups.add(g)
+    return {
+        g: Group(kept=g in kept_groups, score_std=statistics.stdev(v) if len(v) > 1 else 0.0)
+        for g, v in scores.items()
+    }
+
+
+def choose_train(table: pa.Table, per_tag: int, cap: int, groups: Mapping[int, Group]) -> list[int]:
+    """Row numbers of the train sample: per env tag, the first ``per_tag`` rows of its groups taken in
+    the filter's order (kept groups first, then the largest score std, then the group id; rows by
+    env id), at most ``cap`` in all (tags in turn)."""
+    if per_tag <= 0 or cap <= 0:
+        return []
+    by_tag: dict[str, list[tuple[tuple[Any, ...], int]]] = defaultdict(list)
+    tags = table.column("env_tag").to_pylist()
+    gids = table.column("group_id").to_pylist()
+    envs = table.column("env_id").to_pylist()
+    for i, (tag, g, e) in enumerate(zip(tags, gids, envs, strict=True)):
+        info = groups.get(g, Group(kept=False, score_std=0.0))
+        by_tag[tag].append(((not info.kept, -info.score_std, g, e), i))
+    picked = {tag: [i for _, i in sorted(rows)[:per_tag]] for tag, rows in by_tag.items()}
+    return _round_robin(picked, cap)
+
+
+def choose_all(table: pa.Table, cap: int) -> list[int]:
+    """Every row (validation), at most ``cap``: tags in turn, rows in file order within a tag, so a
+    cut keeps every tag represented."""
+    if cap <= 0:
+        return []
+    by_tag: dict[str, list[int]] = defaultdict(list)
+    for i, tag in enumerate(table.column("env_tag").to_pylist()):
+        by_tag[tag].append(i)
+    return _round_robin(by_tag, cap)
+
+
+def _round_robin(rows_by_tag: Mapping[str, Sequence[int]], cap: int) -> list[int]:
+    out: list[int] = []
+    depth = 0
+    while len(out) < cap and any(depth < len(v) for v in rows_by_tag.values()):
+        out.extend(v[depth] for v in rows_by_tag.values() if depth < len(v))
+        depth += 1
+    return sorted(out[:cap])
+
+
+# ---------------------------------------------------------------------------- building a trace
+def trace_id_for(mlflow_run_id: str, split: str, iteration: int, env_id: int) -> str:
+    """A deterministic MLflow trace id (``tr-`` + 32 hex digits): a re-logged step finds its traces."""
+    digest = hashlib.sha256(f"{mlflow_run_id}/{split}/{iteration}/{env_id}".encode()).hexdigest()
+    return "tr-" + digest[:32]
+
+
+def _span_id(trace_id: str, index: int) -> int:
+    # 64 bits, never 0 (OpenTelemetry's invalid span id)
+    return int(hashlib.sha256(f"{trace_id}/{index}".encode()).hexdigest()[:16], 16) or 1
+
+
+@dataclass
+class Turn:
+    """One assistant turn of an episode, as its span shows it."""
+
+    index: int  # 0-based over the episode's played turns
+    prompt: list[dict[str, str]] | None  # the messages the model saw; None: not stored (window)
+    response: str | None  # what the model wrote; None: outside the stored window
+    actions: list[str]
+    env_reply: str | None  # the next user message; None after the last turn
+    reward: float
+    format_penalty: float
+    info: dict[str, Any]
+
+
+def turns_of(row: Mapping[str, Any]) -> list[Turn]:
+    """The turns of a trajectory row, aligned with its per-turn columns.
+
+    ``messages`` alternate ``system, user, (assistant, user)*, assistant`` and hold the turns from
+    ``info["first_trained_turn"]`` on (all of them unless a context window cut the episode)."""
+    info = _info(row)
+    messages = [dict(m) for m in row["messages"] or []]
+    start = int(info.get("first_trained_turn", 0) or 0)
+    n_turns = len(row["turn_rewards"] or [])
+    penalties = list(info.get("turn_penalties") or [0.0] * n_turns)
+    infos = list(info.get("infos") or [{}] * n_turns)
+    assistant_at = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    out = []
+    for t in range(n_turns):
+        j = t - start  # the turn's place among the stored assistant messages
+        pos = assistant_at[j] if 0 <= j < len(assistant_at) else None
+        # With a window that cut earlier turns, only the last turn's window is the prompt it was given.
+        exact_prompt = pos is not None and (start == 0 or t == n_turns - 1)
+        reply = messages[pos + 1] if pos is not None and pos + 1 < len(messages) else None
+        out.append(
+            Turn(
+                index=t,
+                prompt=messages[:pos] if exact_prompt and pos is not None else None,
+                response=messages[pos]["content"] if pos is not None else None,
+                actions=list((row["actions"] or [[]] * n_turns)[t] or []),
+                env_reply=reply["content"] if reply is not None and reply.get("role") == "user" else None,
+                reward=float(row["turn_rewards"][t]),
+                format_penalty=float(penalties[t]) if t < len(penalties) else 0.0,
+                info=dict(infos[t]) if t < len(infos) and isinstance(infos[t], Mapping) else {},
+            )
+        )
+    return out
+
+
+def _info(row: Mapping[str, Any]) -> dict[str, Any]:
+    raw = row.get("info")
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    return json.loads(raw) if raw else {}
+
+
+def session_id(row: Mapping[str, Any], step: int) -> str:
+    """The MLflow session of an episode: its group in its step (a group's members sit together)."""
+    return f"{row['run_id']}/{row['split']}/iter_{step:04d}/group_{int(row['group_id'])}"
+
+
+def build_trace(
+    row: Mapping[str, Any],
+    *,
+    step: int,
+    experiment_id: str,
+    mlflow_run_id: str,
+    start_ms: int,
+    group: Group | None = None,
+) -> tuple[TraceInfo, list[Span]]:
+    """The trace of one trajectory row (``read_table(...).to_pylist()``) of MLflow step ``step``: its
+    info (metadata, tags, feedback) and its spans (root + one per turn); nothing is sent. The step is
+    the caller's, not the row's ``iteration``: schema v1 files numbered that column differently."""
+    from mlflow.entities import (
+        Assessment,
+        AssessmentSource,
+        Feedback,
+        SpanType,
+        TraceInfo,
+        TraceLocation,
+        TraceState,
+    )
+    from mlflow.tracing.constant import (
+        TRACE_SCHEMA_VERSION,
+        TRACE_SCHEMA_VERSION_KEY,
+        TraceMetadataKey,
+        TraceTagKey,
+    )
+
+    split, k, tag = str(row["split"]), int(step), str(row["env_tag"])
+    trace_id = trace_id_for(mlflow_run_id, split, k, int(row["env_id"]))
+    info = _info(row)
+    turns = turns_of(row)
+    messages = [dict(m) for m in row["messages"] or []]
+    start_ns = start_ms * _NS_PER_MS
+    end_ns = start_ns + max(1, len(turns)) * _NS_PER_MS
+    root_id = _span_id(trace_id, -1)
+    success = bool(row["success"])
+
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    root_inputs = {"messages": messages[:last_assistant] if last_assistant is not None else messages}
+    root_output = messages[last_assistant]["content"] if last_assistant is not None else None
+    outcome = {
+        "score": float(row["score"]),
+        "reward": float(row["reward"]),
+        "format_penalty": float(row["format_penalty"]),
+        "success": success,
+        "truncated": bool(row["truncated"]),
+        "turns": int(row["turn_count"]),
+        "end_reason": info.get("end_reason"),
+        "num_actions": info.get("num_actions"),
+    }
+    spans = [
+        _span(
+            trace_id,
+            root_id,
+            None,
+            f"episode {tag} #{int(row['env_id'])}",
+            SpanType.AGENT,
+            start_ns,
+            end_ns,
+            root_inputs,
+            root_output,
+            {f"ragen.{key}": value for key, value in outcome.items()},
+        )
+    ]
+    for turn in turns:
+        attrs: dict[str, Any] = {
+            "ragen.turn": turn.index + 1,
+            "ragen.actions": turn.actions,
+            "ragen.env_reply": turn.env_reply,
+            "ragen.reward": turn.reward,
+            "ragen.format_penalty": turn.format_penalty,
+            "ragen.format_ok": turn.format_penalty == 0.0,
+            "ragen.action_is_valid": turn.info.get("action_is_valid"),
+            "ragen.action_is_effective": turn.info.get("action_is_effective"),
+            "ragen.env_info": turn.info,
+        }
+        if turn.prompt is None:
+            attrs["ragen.prompt"] = (
+                "not stored: the context window (agent.max_context_window) cut this turn's prompt"
+            )
+        t0 = start_ns + turn.index * _NS_PER_MS
+        spans.append(
+            _span(
+                trace_id,
+                _span_id(trace_id, turn.index),
+                root_id,
+                f"turn {turn.index + 1}",
+                SpanType.CHAT_MODEL,
+                t0,
+                t0 + _NS_PER_MS,
+                {"messages": turn.prompt} if turn.prompt is not None else None,
+                turn.response,
+                attrs,
+            )
+        )
+
+    source = AssessmentSource(source_type="CODE", source_id=SOURCE_ID)
+    feedback: list[Assessment] = [
+        Feedback(
+            name="score",
+            value=float(row["score"]),
+            source=source,
+            rationale=f"reward {float(row['reward']):+.4g}, format penalty {float(row['format_penalty']):+.4g}",
+        ),
+        Feedback(name="success", value=success, source=source, rationale=f"end: {info.get('end_reason')}"),
+    ]
+    if group is not None:
+        feedback += [
+            Feedback(
+                name="filter_kept",
+                value=group.kept,
+                source=source,
+                rationale=f"group {int(row['group_id'])}: score std {group.score_std:.4g}",
+                metadata={"group_reward_std": repr(group.score_std)},
+            ),
+            Feedback(name="group_reward_std", value=group.score_std, source=source),
+        ]
+    metadata = {
+        TRACE_SCHEMA_VERSION_KEY: str(TRACE_SCHEMA_VERSION),
+        TraceMetadataKey.SOURCE_RUN: mlflow_run_id,
+        TraceMetadataKey.TRACE_SESSION: session_id(row, k),
+        RUN_KEY: str(row["run_id"]),
+        ITERATION_KEY: str(k),
+        SPLIT_KEY: split,
+        TAG_KEY: tag,
+        SEED_KEY: str(int(row["seed"])),
+        GROUP_KEY: str(int(row["group_id"])),
+        ENV_KEY: str(int(row["env_id"])),
+        SUCCESS_KEY: "true" if success else "false",
+    }
+    first_user = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    trace_info = TraceInfo(
+        trace_id=trace_id,
+        trace_location=TraceLocation.from_experiment_id(experiment_id),
+        request_time=start_ms,
+        execution_duration=(end_ns - start_ns) // _NS_PER_MS,
+        state=TraceState.OK,
+        request_preview=first_user[:PREVIEW_CHARS],
+        response_preview=(root_output or "")[:PREVIEW_CHARS],
+        trace_metadata=metadata,
+        tags={TraceTagKey.TRACE_NAME: f"{split} {tag} iter {k} group {int(row['group_id'])}"},
+        assessments=feedback,
+    )
+    return trace_info, spans
+
+
+def _span(
+    trace_id: str,
+    span_id: int,
+    parent_id: int | None,
+    name: str,
+    span_type: str,
+    start_ns: int,
+    end_ns: int,
+    inputs: Any,
+    outputs: Any,
+    attributes: Mapping[str, Any],
+) -> Span:
+    """An ended MLflow span built directly (no tracer provider: nothing global is touched)."""
+    from mlflow.entities import Span
+    from mlflow.tracing.constant import SpanAttributeKey
+    from mlflow.tracing.utils import build_otel_context, dump_span_attribute_value
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import Status, StatusCode
+
+    otel_trace_id = int(trace_id.removeprefix("tr-"), 16)
+    attrs = {
+        SpanAttributeKey.REQUEST_ID: trace_id,
+        SpanAttributeKey.SPAN_TYPE: span_type,
+        SpanAttributeKey.INPUTS: inputs,
+        SpanAttributeKey.OUTPUTS: outputs,
+        **attributes,
+    }
+    return Span(
+        ReadableSpan(
+            name=name,
+            context=build_otel_context(otel_trace_id, span_id),
+            parent=build_otel_context(otel_trace_id, parent_id) if parent_id is not None else None,
+            start_time=start_ns,
+            end_time=end_ns,
+            # MLflow keeps every attribute as a JSON string (what its own spans and readers expect)
+            attributes={k: dump_span_attribute_value(v) for k, v in attrs.items() if v is not None},
+            status=Status(StatusCode.OK),
+            resource=Resource.get_empty(),
+        )
+    )
+
+
+# ---------------------------------------------------------------------------- logging
+Trace = tuple["TraceInfo", list["Span"]]
+
+
+def traces_of_file(
+    path: str | Path,
+    step: int,
+    *,
+    experiment_id: str,
+    mlflow_run_id: str,
+    per_tag: int,
+    cap: int,
+    kept_rows: Sequence[int] | None = None,
+) -> list[Trace]:
+    """The traces of one trajectory file of MLflow step ``step``, built but not sent: a train file's
+    sample (``per_tag`` per env tag; filter feedback when ``kept_rows`` is given), or every row of a
+    validation file; at most ``cap``. A damaged file raises ``TrajectoryFileError``."""
+    if cap <= 0:
+        return []
+    table = read_table(path).select(list(COLUMNS))
+    if table.num_rows == 0:
+        return []
+    train = table.column("split")[0].as_py() == "train"
+    if train and per_tag <= 0:
+        return []
+    groups = group_stats(table, kept_rows) if train and kept_rows is not None else None
+    rows = choose_train(table, per_tag, cap, groups or {}) if train else choose_all(table, cap)
+    start_ms = int(Path(path).stat().st_mtime * 1000)  # when the episodes were stored
+    return [
+        build_trace(
+            row,
+            step=step,
+            experiment_id=experiment_id,
+            mlflow_run_id=mlflow_run_id,
+            start_ms=start_ms,
+            group=groups.get(row["group_id"]) if groups is not None else None,
+        )
+        for row in table.take(pa.array(rows, type=pa.int64())).to_pylist()
+    ]
+
+
+def send_traces(
+    client: TracingClient | str, experiment_id: str, traces: Sequence[Trace], skip_existing: bool = False
+) -> list[str]:
+    """Write ``traces`` to the store of ``client`` (a ``TracingClient`` or a tracking URI): each trace's
+    info (metadata, tags and feedback) in one call, then every span in one call. ``skip_existing``
+    leaves out the traces the store already has (a step re-logged after a resume). Returns the ids
+    sent; store errors are raised (the Tracker decides what they mean)."""
+    from mlflow.entities import TraceData
+    from mlflow.tracing.client import TracingClient
+    from mlflow.tracing.constant import SpansLocation, TraceTagKey
+
+    if not traces:
+        return []
+    tracing = client if isinstance(client, TracingClient) else TracingClient(client)
+    if skip_existing:
+        have = _existing(tracing, [info.trace_id for info, _ in traces])
+        traces = [(info, spans) for info, spans in traces if info.trace_id not in have]
+    stored = [tracing.start_trace(info) for info, _ in traces]
+    try:
+        tracing.log_spans(experiment_id, [s for _, spans in traces for s in spans])
+    except NotImplementedError:  # a store without span logging keeps the spans as trace artifacts
+        for info, (_, spans) in zip(stored, traces, strict=True):
+            if info.tags.get(TraceTagKey.SPANS_LOCATION) != SpansLocation.TRACKING_STORE.value:
+                tracing._upload_trace_data(info, TraceData(spans=spans))
+    return [info.trace_id for info, _ in traces]
+
+
+def log_episode_traces(
+    client: TracingClient | str,
+    experiment_id: str,
+    mlflow_run_id: str,
+    path: str | Path,
+    step: int,
+    *,
+    per_tag: int,
+    cap: int,
+    kept_rows: Sequence[int] | None = None,
+    skip_existing: bool = False,
+) -> list[str]:
+    """:func:`traces_of_file` then :func:`send_traces`: log one trajectory file's episodes as traces
+    of the MLflow run ``mlflow_run_id`` in ``experiment_id``; returns the trace ids."""
+    traces = traces_of_file(
+        path,
+        step,
+        experiment_id=experiment_id,
+        mlflow_run_id=mlflow_run_id,
+        per_tag=per_tag,
+        cap=cap,
+        kept_rows=kept_rows,
+    )
+    return send_traces(client, experiment_id, traces, skip_existing)
+
+
+def _existing(tracing: TracingClient, trace_ids: Sequence[str]) -> set[str]:
+    """The ids among ``trace_ids`` that the store already has."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+
+    have = set()
+    for trace_id in trace_ids:
+        try:
+            tracing.get_trace_info(trace_id)
+        except MlflowException as e:
+            if e.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                raise
+            continue
+        have.add(trace_id)
+    return have
