@@ -20,6 +20,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
+# No telemetry (flows/settings.py sets the same for every ragen command); ?=: a value the user set wins.
+export DO_NOT_TRACK ?= 1
+export HF_HUB_DISABLE_TELEMETRY ?= 1
 
 .PHONY: setup vllm run demo test test-fast lint typecheck bench models
 

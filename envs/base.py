@@ -10,7 +10,7 @@ adding one (built-in or plug-in) means writing one class and registering it, nev
 elsewhere: :meth:`Env.oracle_actions` (what a good player does next: the warm start's demonstrations,
 ``ragen demo``, the tests), :meth:`Env.think_text` (the demonstrations' think sentence),
 :meth:`Env.random_answer` (the demonstrations' noise) and :attr:`Env.success_means` (what a success
-is, shown by ``ragen demo``).
+is, shown by ``ragen demo``, ``ragen show`` and ``ragen evaluate``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Env(ABC):
     #: Registry name of the environment type (``sokoban``, ``frozen_lake``, ...).
     env_type: ClassVar[str] = ""
     #: What a successful episode is, in one sentence (``info["success"]`` of the final step); shown by
-    #: ``ragen demo`` next to the success rate it explains.
+    #: ``ragen demo``, ``ragen show`` and ``ragen evaluate`` next to the success it explains.
     success_means: ClassVar[str] = "the environment ends the episode reporting success."
 
     actions: list[str] | None = None

@@ -143,6 +143,15 @@ def spec(tag: str, **overrides: Any) -> EnvSpec:
     return s
 
 
+def success_means(tag: str) -> str | None:
+    """What a success is for ``tag``, in one sentence (its class's ``success_means``), or None for a
+    tag this install does not know (a plug-in's trajectories read elsewhere)."""
+    try:
+        return env_class(spec(tag).env_type).success_means
+    except UnknownEnvError:
+        return None
+
+
 def make(tag: str, **overrides: Any) -> Env:
     """Build the environment of catalogue ``tag``; ``overrides`` replace its ``env_config`` keys."""
     s = spec(tag, **overrides)

@@ -8,9 +8,9 @@ handling in a command: :class:`RagenGroup` runs every command and prints a user 
 ``ragen_core.errors``) as its one-line message, anything else as one ``internal error`` line;
 ``ragen --debug`` (or ``RAGEN_DEBUG=1``) shows the traceback instead.
 
-Commands: ``train``, ``evaluate``, ``rerun``, ``sweep run|report|plan``, ``model import``, ``show`` (read a trajectory
-file), ``demo`` (oracle play through the agent protocol), ``ui`` (MLflow UI and Prefect server on
-loopback), ``doctor``.
+Commands: ``train``, ``evaluate``, ``rerun``, ``sweep run|report|plan``, ``model import``, ``show`` (read a run's,
+an iteration's or a file's trajectories), ``demo`` (oracle play through the agent protocol), ``ui`` (MLflow UI and Prefect server on
+loopback), ``doctor``. ``ragen --version`` prints the version; ``-h`` is ``--help`` everywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
 
 import typer
 from typer.core import TyperGroup
+
+from ragen_core.errors import RagenError  # light (standard library only): --help stays fast
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -53,9 +55,13 @@ class RagenGroup(TyperGroup):
             fail(describe(exc))
 
 
+#: ``-h`` as well as ``--help``, on the app and (click contexts inherit it) on every command.
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
+
 app = typer.Typer(
     name="ragen",
     cls=RagenGroup,
+    context_settings=CONTEXT_SETTINGS,
     help="ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline.",
     no_args_is_help=True,
     add_completion=False,
@@ -82,10 +88,33 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def package_version() -> str:
+    """The installed ragen-flow's version, else (a source tree run without installing) pyproject's."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("ragen-flow")
+    except md.PackageNotFoundError:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"ragen-flow {package_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     debug: Annotated[
         bool, typer.Option("--debug", envvar="RAGEN_DEBUG", help="Show tracebacks (also RAGEN_DEBUG=1).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
     """ragen-flow: multi-turn RL for LLM agents (RAGEN / StarPO) as a reproducible pipeline."""
@@ -114,17 +143,21 @@ def penalised_turns(t: Trajectory) -> tuple[int, int]:
     return (1 if t.format_penalty < 0 else 0), max(t.turn_count, 1)
 
 
-def summarize(trajs: list[Trajectory]) -> list[dict[str, Any]]:
+def summarize(trajs: list[Trajectory], kept: list[bool] | None = None) -> list[dict[str, Any]]:
     """Per env tag (in order of first appearance), then ``all`` when there are several tags.
 
     Keys: tag, trajectories, success_rate, mean_score, mean_turns, mean_response_tokens,
-    format_penalty_rate (share of played turns charged a format penalty).
+    format_penalty_rate (share of played turns charged a format penalty), and with ``kept`` (the
+    filter's decision per trajectory) ``kept``: how many the filter kept.
     """
+    decisions = dict(zip(map(id, trajs), kept, strict=True)) if kept is not None else None
 
     def row(tag: str, items: list[Trajectory]) -> dict[str, Any]:
         n = len(items)
         pen = [penalised_turns(t) for t in items]
+        extra = {"kept": sum(decisions[id(t)] for t in items)} if decisions is not None else {}
         return {
+            **extra,
             "tag": tag,
             "trajectories": n,
             "success_rate": sum(t.success for t in items) / n,
@@ -143,15 +176,17 @@ def summarize(trajs: list[Trajectory]) -> list[dict[str, Any]]:
     return rows
 
 
-def print_transcript(out: Console, index: int, t: Trajectory) -> None:
+def print_transcript(out: Console, index: int, t: Trajectory, kept: bool | None = None) -> None:
+    """One trajectory, turn by turn; ``kept``: the filter's decision on its group (None: no filter ran)."""
     from rich.rule import Rule
     from rich.text import Text
 
+    decision = "" if kept is None else ("  KEPT by the filter" if kept else "  DROPPED by the filter")
     out.print(
         Rule(
             Text(
                 f"row {index}: {t.env_tag}  group {t.group_id}  env {t.env_id}  seed {t.seed}  "
-                f"{t.split} iteration {t.iteration}",
+                f"{t.split} iteration {t.iteration}{decision}",
                 style="bold",
             )
         )
@@ -189,6 +224,10 @@ def print_transcript(out: Console, index: int, t: Trajectory) -> None:
     )
     if info.get("response_truncated"):
         result.append(f"  ({info.get('turns_cut_by_max_new_tokens', '?')} turn(s) cut by max_new_tokens)")
+    if kept is not None:
+        result.append("  filter: ").append(
+            Text("kept", style="bold green") if kept else Text("dropped", style="bold yellow")
+        )
     out.print(result)
     out.print()
 
@@ -197,9 +236,11 @@ def summary_table(rows: list[dict[str, Any]], title: str):
     from rich.table import Table
 
     table = Table(title=title)
+    with_kept = bool(rows) and "kept" in rows[0]
     for col in (
         "env_tag",
         "trajectories",
+        *(["kept by filter"] if with_kept else []),
         "success",
         "mean score",
         "mean turns",
@@ -211,6 +252,7 @@ def summary_table(rows: list[dict[str, Any]], title: str):
         table.add_row(
             r["tag"],
             str(r["trajectories"]),
+            *([str(r["kept"])] if with_kept else []),
             f"{r['success_rate']:.1%}",
             f"{r['mean_score']:+.3f}",
             f"{r['mean_turns']:.2f}",
@@ -221,9 +263,97 @@ def summary_table(rows: list[dict[str, Any]], title: str):
     return table
 
 
+class ShowError(RagenError):
+    """A ``ragen show`` target that names no trajectories; the message says what to pass instead."""
+
+
+def _iteration_folder(root: Path, name: str) -> Path | None:
+    """``root/iter_KKKK`` for ``name`` ``iter_K`` (any zero padding), else None."""
+    digits = name.removeprefix("iter_")
+    return root / f"iter_{int(digits):04d}" if name.startswith("iter_") and digits.isdigit() else None
+
+
+def _last_rollouts(run_root: Path) -> Path:
+    """The rollouts of the run's last iteration that has any (a running run's newest one too)."""
+    found = sorted(p for p in run_root.glob("iter_*/rollouts.parquet") if p.parent.name[5:].isdigit())
+    if not found:
+        raise ShowError(
+            f"run {run_root.name} ({run_root}) has no rollouts yet: no iter_K/rollouts.parquet in it; "
+            f"its validations are under {run_root / 'eval'} (pass one of those .parquet files)"
+        )
+    return max(found, key=lambda p: int(p.parent.name[5:]))
+
+
+def _in_iteration(folder: Path) -> Path:
+    if (folder / "rollouts.parquet").is_file():
+        return folder / "rollouts.parquet"
+    have = sorted(p.parent.name for p in folder.parent.glob("iter_*/rollouts.parquet"))
+    raise ShowError(
+        f"{folder}: no rollouts.parquet there; iterations with rollouts: {', '.join(have) or 'none'}"
+    )
+
+
+def trajectory_source(target: str) -> Path:
+    """The trajectory file ``ragen show TARGET`` reads: a .parquet file; an iteration folder (its path,
+    or ``RUN/iter_K`` with a run id); a run (id or directory: its last iteration's rollouts)."""
+    from ragen_core.state_folder import locate_run
+
+    path = Path(target).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir() and not (path / "config.yaml").is_file():
+        if (path / "rollouts.parquet").is_file() or path.name.startswith("iter_"):
+            return _in_iteration(path)
+        raise ShowError(
+            f"{path}: a folder with neither rollouts.parquet (an iteration folder) nor config.yaml (a run "
+            "directory); pass a .parquet file, a run id, RUN/iter_K, or an iteration folder"
+        )
+    run = locate_run(target)  # light: no torch (ragen_core.state_folder)
+    if run is not None:
+        return _last_rollouts(run)
+    run = locate_run(str(Path(target).parent)) if Path(target).parent != Path(".") else None
+    folder = _iteration_folder(run, Path(target).name) if run is not None else None
+    if folder is not None:
+        return _in_iteration(folder)
+    raise ShowError(
+        f"{target}: no such trajectory file, iteration folder or run; pass a .parquet file, a run id or "
+        "run directory (its last iteration), RUN/iter_K (e.g. RUN/iter_0002), or an iteration folder"
+    )
+
+
+def filter_decisions(rollouts: Path, n: int) -> list[bool] | None:
+    """Per row of ``rollouts``: whether the StarPO-S filter kept its group, read from the
+    ``filter.json`` beside it (an iteration's); None where there is none (validation files, a copy)."""
+    file = rollouts.with_name("filter.json")
+    if rollouts.name != "rollouts.parquet" or not file.is_file():
+        return None
+    try:
+        kept_rows = json.loads(file.read_text())["kept_rows"]
+        kept = {int(i) for i in kept_rows}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ShowError(
+            f"{file}: cannot read the filter's decisions ({type(exc).__name__}: {exc}); "
+            f"`ragen rerun RUN --iteration K --stage rollout` recomputes the iteration"
+        ) from exc
+    return [i in kept for i in range(n)]
+
+
+def success_lines(tags: list[str]) -> list[str]:
+    """``success on TAG: <what success means>`` per tag (the environment's ``success_means``)."""
+    from envs.registry import success_means
+
+    return [f"success on {tag}: {means}" for tag in tags if (means := success_means(tag))]
+
+
 @app.command()
 def show(
-    path: Annotated[Path, typer.Argument(help="Trajectory file (.parquet) written by a rollout.")],
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="A trajectory file (.parquet), a run id or run directory (its last iteration's rollouts), "
+            "RUN/iter_K (e.g. RUN/iter_0002), or an iteration folder."
+        ),
+    ],
     row: Annotated[
         int | None, typer.Option("--row", "-r", help="Show only this row (0-based) of the file.")
     ] = None,
@@ -233,11 +363,14 @@ def show(
         int, typer.Option("--limit", "-n", min=0, help="Transcripts to print (0: summary only).")
     ] = 3,
 ) -> None:
-    """Print readable transcripts of a trajectory file and a per-env-tag summary table.
+    """Print readable transcripts of rollouts and a per-env-tag summary table.
 
-    The summary covers every trajectory that passes --failed / --env (not only the printed ones).
-    Format-penalty rate: the share of played turns charged a format penalty.
+    Each trajectory of an iteration is marked KEPT or DROPPED by the StarPO-S filter (from the
+    iteration's filter.json), and a line per tag says what success means there. The summary covers
+    every trajectory that passes --failed / --env (not only the printed ones). Format-penalty rate:
+    the share of played turns charged a format penalty.
     """
+    path = trajectory_source(target)  # before the trajectory module (torch) loads: a typo fails at once
     from rich.text import Text
 
     from ragen_core.trajectory import TrajectoryFileError, read_trajectories
@@ -248,6 +381,7 @@ def show(
         fail(str(exc))
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
         fail(f"{path}: cannot read trajectories: {exc}")
+    kept = filter_decisions(path, len(trajs))
     out = console()
     indexed = list(enumerate(trajs))
     if row is not None:
@@ -266,8 +400,19 @@ def show(
     if not indexed:
         out.print(f"{path}: no trajectories match the filters ({len(trajs)} rows in the file)")
         return
+    if str(path) != target:
+        out.print(Text(f"trajectories: {path}", style="dim"))
+    for line in success_lines(list(dict.fromkeys(t.env_tag for _, t in indexed))):
+        out.print(Text(line, style="dim"))
+    if kept is not None:
+        out.print(
+            Text(
+                f"filter: kept {sum(kept)} of {len(kept)} trajectories (whole groups; {path.with_name('filter.json')})",
+                style="dim",
+            )
+        )
     for i, t in indexed[:limit]:
-        print_transcript(out, i, t)
+        print_transcript(out, i, t, None if kept is None else kept[i])
     if len(indexed) > limit > 0:
         out.print(
             Text(f"... {len(indexed) - limit} more matching trajectories (use --limit or --row)", style="dim")
@@ -280,7 +425,8 @@ def show(
     title = f"{path.name}: {len(indexed)} of {len(trajs)} trajectories" + (
         f" ({', '.join(filters)})" if filters else ""
     )
-    out.print(summary_table(summarize([t for _, t in indexed]), title))
+    shown_kept = None if kept is None else [kept[i] for i, _ in indexed]
+    out.print(summary_table(summarize([t for _, t in indexed], shown_kept), title))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -427,20 +573,33 @@ def train(
     from ragen_core.run_dir import RunDir
 
     run = RunDir(run_dir)
+    cfg = run.config()
     evals = {p.stem: run.read_json(p) for p in sorted((run_dir / "eval").glob("step_*.json"))}
-    first, last = (next(iter(evals)), list(evals)[-1]) if evals else (None, None)
-    if first is not None:
-        pick = {k: v for k, v in evals[first].items() if k.endswith("/success")}
-        rows = {first: pick}
-        if last != first:
-            rows[last] = {k: v for k, v in evals[last].items() if k.endswith("/success")}
+    if evals:
+        first, last = next(iter(evals)), list(evals)[-1]
+        rows = {
+            step: success_per_tag(evals[step], cfg.train.tags, cfg.val.tags)
+            for step in dict.fromkeys((first, last))
+        }
         _print_metrics("validation success", rows)
     console().print(
         f"run {result['run_id']} ({run_dir}); MLflow run {result['mlflow_run_id']}; "
         f"{result['last_iteration']} iterations in {wall:.0f} s",
         soft_wrap=True,
     )
-    _print_next_steps(result, run.config())
+    _print_next_steps(result, cfg)
+
+
+def success_per_tag(
+    metrics: dict[str, float], train_tags: list[str], val_tags: list[str]
+) -> dict[str, float]:
+    """A validation's success per tag, the tags the run did not train on marked ``(held out)``; no
+    average over the tags, which would mix a tag the run trained on with one it did not."""
+    return {
+        tag + ("" if tag in train_tags else " (held out)"): metrics[f"val-env/{tag}/success"]
+        for tag in val_tags
+        if f"val-env/{tag}/success" in metrics
+    }
 
 
 def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
@@ -455,19 +614,43 @@ def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
         lines.append(
             f"  browse it:   {'`ragen ui`, then open ' if local else ''}{url}{'' if local else ' (tracking server)'}"
         )
-    lines.append(f"  evaluate it: ragen evaluate {run_id} --tags {','.join(cfg.val.tags)}")
+    lines.append(
+        f"  evaluate it: ragen evaluate {run_id}   # on its validation tags, {','.join(cfg.val.tags)}"
+    )
+    for alias, uri in result.get("models", {}).items():  # the registered policies (MLflow's Models page)
+        lines.append(f"  the {alias + ':':6s}  ragen evaluate {uri}")
     lines.append(f"  train on:    ragen train --resume {run_id} --set trainer.iterations={2 * max(last, 1)}")
     lines.append(f"  rerun:       ragen rerun {run_id} --iteration {max(last, 1)} --stage learn")
+    if last >= 1:
+        lines.append(
+            f"  read it:     ragen show {run_id}   # iteration {last}'s rollouts, the filter's choices marked"
+        )
     console().print("\n".join(lines), soft_wrap=True)
 
 
 @app.command()
 def evaluate(
-    policy: Annotated[str, typer.Argument(help="RUN_ID[@STEP], a model folder, or a cached HF model name.")],
-    tags: Annotated[str, typer.Option(help="Comma-separated validation tags.")] = "SimpleSokoban",
-    n: Annotated[int, typer.Option(min=1, help="Validation seeds per tag.")] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0)] = 0.5,
-    max_new_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    policy: Annotated[
+        str,
+        typer.Argument(
+            help="RUN_ID[@STEP] (default: the last step), a run directory, a model folder, or a cached HF model name."
+        ),
+    ],
+    tags: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated validation tags (default: a run's own validation tags, val.tags; "
+            "for a model SimpleSokoban)."
+        ),
+    ] = None,
+    n: Annotated[int, typer.Option(min=1, help="Validation seeds (episodes) per tag.")] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy).")] = 0.5,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="New tokens per turn (default: the run's rollout.max_new_tokens, else each tag's)."
+        ),
+    ] = None,
     engine: Annotated[Literal["hf", "vllm"], typer.Option(help="Rollout backend.")] = "hf",
     config: Annotated[
         Path | None,
@@ -477,14 +660,26 @@ def evaluate(
         ),
     ] = None,
 ) -> None:
-    """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags)."""
+    """Evaluate any checkpoint or model on any validation tags (e.g. the generalisation tags).
+
+    Success is reported per tag; tags the run did not train on are marked held out.
+    """
     _prepare()
+    from ragen_core.policy_ref import locate_policy
+
+    # Before Prefect, MLflow or torch load (seconds): an unknown run or model fails at once.
+    locate_policy(policy)
     from flows.evaluate import EvaluateRequest, check_tags, resolve_policy
     from flows.evaluate import evaluate as evaluate_flow
 
-    tag_list = [t.strip() for t in tags.split(",") if t.strip()]
-    check_tags(tag_list)  # a bad tag, step or config fails here, before Prefect starts
-    resolve_policy(policy)
+    # A bad tag, step or config fails here too, before Prefect starts.
+    tag_list = [t.strip() for t in tags.split(",") if t.strip()] if tags is not None else None
+    if tag_list is not None:
+        check_tags(tag_list)
+    resolved = resolve_policy(policy)
+    if tag_list is None:  # the run's own validation tags (a model: SimpleSokoban)
+        tag_list = resolved.default_tags()
+        check_tags(tag_list)
     if config is not None:
         from ragen_core.config import load_config
 
@@ -500,13 +695,34 @@ def evaluate(
             config=str(config) if config else None,
         )
     )
-    metrics = result["metrics"]
-    _print_metrics(f"evaluation of {policy}", {"value": {k: v for k, v in metrics.items() if "/" in k}})
-    console().print(
-        f"trajectories: {result['out_dir']}/eval.parquet; MLflow run {result['mlflow_run_id']} "
-        "(experiment ragen-flow-eval; `ragen ui` to browse it)",
-        soft_wrap=True,
-    )
+    _print_evaluation(result)
+
+
+def _print_evaluation(result: dict[str, Any]) -> None:
+    """Each tag's metrics in a column of its own, headed by whether the policy trained on it; no
+    aggregate over tags. The MLflow run id comes last, where a script or a reader looks for it."""
+    metrics: dict[str, float] = result["metrics"]
+    columns: dict[str, dict[str, float]] = {}
+    for row in result["tags"]:
+        tag, held = row["tag"], row["held_out"]
+        head = f"{tag} (held out)" if held else (f"{tag} (trained on)" if held is False else tag)
+        prefix = f"val-env/{tag}/"
+        columns[head] = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+    _print_metrics(f"evaluation of {result.get('label') or result['policy']}", columns)
+    out = console()
+    for row in result["tags"]:
+        if row["success_means"]:
+            out.print(f"success on {row['tag']}: {row['success_means']}", markup=False, soft_wrap=True)
+    out.print(f"trajectories: {result['out_dir']}/eval.parquet", markup=False, soft_wrap=True)
+    if result["mlflow_run_id"]:
+        nested = result.get("mlflow_parent_run_id")
+        where = f", nested under the training run {nested}" if nested else ""
+        out.print(
+            f"MLflow run of the evaluation: {result['mlflow_run_id']} (experiment "
+            f"{result.get('mlflow_experiment')}{where}; `ragen ui` to browse it)",
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 @app.command()
@@ -541,6 +757,7 @@ sweep_app = typer.Typer(
     help="Sweeps: grids of training runs nested under one MLflow parent run, and their comparison report.",
     no_args_is_help=True,
     rich_markup_mode=None,
+    context_settings=CONTEXT_SETTINGS,
 )
 app.add_typer(sweep_app, name="sweep")
 
@@ -680,6 +897,7 @@ model_app = typer.Typer(
     help="Real policies: import a GGUF model (a file, or one shipped in a package) as a Hugging Face folder.",
     no_args_is_help=True,
     rich_markup_mode=None,
+    context_settings=CONTEXT_SETTINGS,
 )
 app.add_typer(model_app, name="model")
 

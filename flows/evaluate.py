@@ -5,27 +5,33 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.reporting import progress_logger
+from flows.reporting import artifact_key, progress_logger
 from flows.settings import configure_environment
 from ragen_core.checkpoint import verify_checkpoint
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
+from ragen_core.policy_ref import locate_policy
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.run_dir import RunDir, atomic_write_text, find_run
+from ragen_core.run_dir import RunDir, atomic_write_text
 from ragen_core.stages import check_init_policy
 from ragen_core.trajectory import write_table
 
 
 class EvaluateRequest(BaseModel):
     policy: str = Field(description="RUN_ID[@STEP] (default: last step), a model folder, or a cached HF name")
-    tags: list[str] = Field(default_factory=lambda: ["SimpleSokoban"], description="validation tags")
+    tags: list[str] | None = Field(
+        default=None,
+        description="validation tags; default: a run's own validation tags (val.tags), for a model "
+        "SimpleSokoban",
+    )
     n_per_tag: int = Field(default=64, ge=1, description="validation seeds per tag")
     temperature: float = Field(default=0.5, ge=0.0)
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: the run's, else 100")
@@ -41,8 +47,41 @@ class EvaluateRequest(BaseModel):
     )
 
 
+#: The MLflow experiment of evaluations of model folders (a run's evaluations nest under its own run).
+EVAL_EXPERIMENT = "ragen-flow-eval"
+#: The tags a model folder (which has no validation tags of its own) is evaluated on by default.
+MODEL_DEFAULT_TAGS = ["SimpleSokoban"]
+
+
 class EvaluateError(RagenError):
     """A policy or tags that cannot be evaluated; the message says what exists instead."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A resolved policy reference: what to load, how to play it, and (a run) the tags it knows.
+
+    ``train_tags`` / ``val_tags`` are None for a model folder or a cached model: nothing says what it
+    was trained on, so no tag can be called held out.
+    """
+
+    path: Path | str
+    protocol: ProtocolConfig | None
+    max_new_tokens: int | None
+    label: str
+    train_tags: list[str] | None = None
+    val_tags: list[str] | None = None
+    #: a run's policy: the run directory (its evaluations are nested under its MLflow run) ...
+    run_dir: Path | None = None
+    #: ... and the MLflow LoggedModel of that step, when the run logged one (final, best)
+    model_id: str | None = None
+
+    def default_tags(self) -> list[str]:
+        return list(self.val_tags) if self.val_tags else list(MODEL_DEFAULT_TAGS)
+
+    def held_out(self, tag: str) -> bool | None:
+        """Whether ``tag`` is one the policy was not trained on (None: unknown, a model)."""
+        return None if self.train_tags is None else tag not in self.train_tags
 
 
 def _spans(steps: list[int]) -> str:
@@ -76,20 +115,20 @@ def check_tags(tags: list[str]) -> None:
         raise EvaluateError("\n".join(problems))
 
 
-def resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig | None, int | None, str]:
-    """(policy path or name, protocol, max_new_tokens, label) for a run reference or a model (which has
-    no protocol or max_new_tokens of its own: None).
+def resolve_policy(spec: str) -> Policy:
+    """The policy ``spec`` names: a run reference (with the run's protocol, max_new_tokens and tags) or
+    a model (which has none of its own).
 
-    ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them); anything
-    else that is not a run is a model folder or a cached Hugging Face name.
+    An unknown reference fails at once (``ragen_core.policy_ref``: nothing heavy is loaded to find
+    out); ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them).
     """
+    ref = locate_policy(spec)
+    if ref.kind == "registry":
+        return _registered_policy(spec)
+    if ref.kind == "model":
+        return Policy(spec, None, None, Path(spec).name or spec)
     name, at, step = spec.partition("@")
-    try:
-        run = find_run(name)
-    except FileNotFoundError:
-        if at and not Path(spec).exists():  # RUN@STEP: a run was meant; say why it was not found
-            raise
-        return spec, None, None, Path(spec).name or spec
+    run = RunDir(ref.source)
     cfg = run.config()
     steps = checkpoint_steps(run)
     have = f"it has steps {_spans(steps)}" if steps else "it has no checkpoint yet"
@@ -103,7 +142,33 @@ def resolve_policy(spec: str) -> tuple[Path | str, ProtocolConfig | None, int | 
         check_init_policy(run)
     else:
         verify_checkpoint(run.checkpoint(k))
-    return run.policy_after(k), cfg.agent, cfg.rollout.max_new_tokens, f"{run.root.name}@{k}"
+    return Policy(
+        run.policy_after(k),
+        cfg.agent,
+        cfg.rollout.max_new_tokens,
+        f"{run.root.name}@{k}",
+        train_tags=list(cfg.train.tags),
+        val_tags=list(cfg.val.tags),
+        run_dir=run.root,
+        model_id=run.info().get("logged_models", {}).get(str(k)),
+    )
+
+
+def _registered_policy(uri: str) -> Policy:
+    """``models:/<run id>@best`` (or ``/<version>``): the registered LoggedModel's run and step when the
+    run is on this machine (so it plays as that run does), else its downloaded files as a model."""
+    from ragen_core.logged_models import ModelURIError, resolve_model_uri
+    from ragen_core.state_folder import locate_run, models_dir, state_dir
+    from ragen_core.tracking import Tracker, TrackingConfig
+
+    try:
+        got = resolve_model_uri(uri, Tracker(TrackingConfig(), state_dir()), models_dir() / "registry")
+    except ModelURIError as e:
+        raise EvaluateError(str(e)) from e
+    if got.run_id and locate_run(got.run_id) is not None:
+        policy = resolve_policy(f"{got.run_id}@{got.step}")
+        return replace(policy, label=uri.removeprefix("models:/"), model_id=got.model_id)
+    return Policy(got.folder, None, None, uri.removeprefix("models:/"), model_id=got.model_id)
 
 
 class Budget(BaseModel):
@@ -120,17 +185,14 @@ def budgets(request: EvaluateRequest, protocol: ProtocolConfig | None, max_new: 
     from envs.registry import spec
     from ragen_core.config import load_config
 
+    tags = list(request.tags if request.tags is not None else MODEL_DEFAULT_TAGS)
     if request.config is not None:
         cfg = load_config(request.config, [])
         protocol, max_new = cfg.agent, cfg.rollout.max_new_tokens
     if protocol is not None:
-        return [
-            Budget(
-                tags=request.tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100
-            )
-        ]
+        return [Budget(tags=tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100)]
     out: dict[tuple[int, int], Budget] = {}
-    for tag in request.tags:
+    for tag in tags:
         s = spec(tag)
         key = (s.max_turn, request.max_new_tokens or s.max_tokens)
         if key not in out:
@@ -146,9 +208,15 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
 
     from ragen_core.rollout.worker import RolloutWorker
 
-    check_tags(request.tags)
-    policy, protocol, max_new, label = resolve_policy(request.policy)
-    plan = budgets(request, protocol, max_new)
+    if request.tags is not None:
+        check_tags(request.tags)
+    resolved = resolve_policy(request.policy)  # an unknown run or model fails here, before any work
+    if request.tags is None:  # a run is evaluated on its own validation tags, a model on the default
+        request = request.model_copy(update={"tags": resolved.default_tags()})
+        check_tags(resolved.default_tags())
+    tags: list[str] = list(request.tags or [])
+    policy, label = resolved.path, resolved.label
+    plan = budgets(request, resolved.protocol, resolved.max_new_tokens)
     log = progress_logger()
     worker = None
     tables, env_metrics = [], {}
@@ -181,6 +249,8 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
             }
             table, m = worker.rollout("val", 0, 0, params, request.seed, label)
             tables.append(table)
+            # Success is per tag only: no "success" over several tags, which would average a tag the
+            # policy trained on with a held-out one and hide the generalisation gap the tags measure.
             env_metrics.update({k: v for k, v in m.items() if k != "success"})
             for tag in b.tags:
                 log.info(
@@ -189,22 +259,121 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
     finally:
         if worker is not None:
             worker.close()
-    # every tag has n_per_tag episodes: the mean over episodes is the mean over tags
-    env_metrics["success"] = sum(env_metrics[f"{t}/success"] for t in request.tags) / len(request.tags)
     table = pa.concat_tables(tables)
     metrics = {f"val-env/{k}": v for k, v in env_metrics.items()}
     metrics["timing_s/testing"] = time.perf_counter() - t0
     out = Path(request.out_dir or state / "evals" / f"{label.replace('/', '_')}-{int(time.time())}")
     path = write_table(table, out / "eval.parquet")
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
-    mlflow_run = None
+    mlflow_run, tracking, parent = None, None, None
     if request.log_to_mlflow:
         from ragen_core.tracking import Tracker, TrackingConfig
 
-        tracker = Tracker(TrackingConfig(experiment="ragen-flow-eval"), state)
+        tracking, parent = TrackingConfig(experiment=EVAL_EXPERIMENT), None
+        if resolved.run_dir is not None:  # nested under the training run, in its experiment
+            trained = RunDir(resolved.run_dir)
+            tracking = trained.config().tracking.model_copy(update={"log_artifacts": True})
+            parent = trained.info().get("mlflow_run_id")
+        tracker = Tracker(tracking, state)
         params = {**request.model_dump(), "budgets": [b.model_dump() for b in plan]}
-        mlflow_run = tracker.start(f"eval-{label}", params, tags={"ragen.policy": str(policy)})
+        run_tags = {"ragen.policy": str(policy), "ragen.tags": ",".join(tags), "ragen.evaluates": label}
+        if resolved.model_id:
+            run_tags["ragen.model_id"] = resolved.model_id
+        if resolved.train_tags is not None:
+            run_tags["ragen.train_tags"] = ",".join(resolved.train_tags)
+            run_tags["ragen.held_out_tags"] = ",".join(t for t in tags if resolved.held_out(t))
+        mlflow_run = tracker.start(f"eval-{label}", params, tags=run_tags, parent_run_id=parent)
         tracker.log_iteration(0, metrics)
+        if resolved.model_id:  # the LoggedModel's page lists the evaluations of it
+            link_metrics(tracker, resolved.model_id, metrics)
         tracker.log_artifact(path, "eval")
         tracker.end()
-    return {"policy": str(policy), "out_dir": str(out), "metrics": metrics, "mlflow_run_id": mlflow_run}
+    rows = tag_rows(resolved, tags, metrics)
+    evaluation_artifact(label, rows, request, mlflow_run)
+    return {
+        "policy": str(policy),
+        "label": label,
+        "out_dir": str(out),
+        "metrics": metrics,
+        "tags": rows,
+        "mlflow_run_id": mlflow_run,
+        "mlflow_experiment": tracking.experiment if tracking is not None else None,
+        "mlflow_parent_run_id": parent,
+    }
+
+
+def link_metrics(tracker: Any, model_id: str, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` (step 0) once more, linked to the LoggedModel ``model_id``."""
+    import math
+
+    from mlflow.entities import Metric
+
+    from ragen_core.tracking import metric_key
+
+    now = int(time.time() * 1000)
+    batch = [
+        Metric(metric_key(k), v, now, 0, model_id=model_id) for k, v in metrics.items() if math.isfinite(v)
+    ]
+    try:
+        tracker.client.log_batch(tracker.run_id, metrics=batch)
+    except Exception as e:
+        tracker.go_offline(f"link the evaluation to model {model_id}", e)
+
+
+def tag_rows(policy: Policy, tags: list[str], metrics: dict[str, float]) -> list[dict[str, object]]:
+    """One row per tag: ``tag``, ``success``, ``held_out`` (None: unknown, a model), ``success_means``;
+    the tags the policy was trained on first, then the held-out ones, each in the order given."""
+    from envs.registry import success_means
+
+    rows: list[dict[str, object]] = [
+        {
+            "tag": tag,
+            "success": metrics.get(f"val-env/{tag}/success"),
+            "held_out": policy.held_out(tag),
+            "success_means": success_means(tag) or "",
+        }
+        for tag in tags
+    ]
+    return sorted(rows, key=lambda r: bool(r["held_out"]))  # stable: the given order within each part
+
+
+def evaluation_markdown(label: str, rows: list[dict[str, object]], n: int, mlflow_run: str | None) -> str:
+    """The evaluation as markdown: success per tag, the trained-on tags apart from the held-out ones."""
+    lines = [f"## Evaluation of `{label}`", "", f"{n} episodes per tag (validation seeds)."]
+    if mlflow_run:
+        lines.append(f"MLflow run `{mlflow_run}`.")
+    lines += [
+        "",
+        "| tag | success | trained on it | an episode succeeds when |",
+        "| --- | ---: | --- | --- |",
+    ]
+    for r in rows:
+        held = r["held_out"]
+        part = "unknown (a model)" if held is None else ("**held out**" if held else "yes")
+        value = r["success"]
+        shown = f"{value:.3f}" if isinstance(value, float) else "-"
+        lines.append(f"| {r['tag']} | {shown} | {part} | {r['success_means']} |")
+    if any(r["held_out"] is True for r in rows):
+        lines += [
+            "",
+            "Held-out tags measure generalisation: compare them with the trained-on tags, never average them.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def evaluation_artifact(
+    label: str, rows: list[dict[str, object]], request: EvaluateRequest, mlflow_run: str | None
+) -> None:
+    """The evaluation's markdown artifact ``evaluation-<label>`` on the flow run (none outside a flow
+    run: a flow's ``.fn`` called directly has no flow run to attach it to)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    create_markdown_artifact(
+        evaluation_markdown(label, rows, request.n_per_tag, mlflow_run),
+        key=artifact_key("evaluation", label),
+        description=f"success per tag of {label}",
+    )

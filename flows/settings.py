@@ -107,6 +107,11 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
     defaults = {
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "results"),
+        # No telemetry and no notice about it (README): DO_NOT_TRACK is the cross-tool opt-out that
+        # Prefect's client reads ("1"; without it an interactive terminal gets Prefect's telemetry
+        # notice), the server's analytics have their own switch, and MLflow reads DO_NOT_TRACK only
+        # when it is "true", hence MLFLOW_DISABLE_TELEMETRY as well.
+        "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "true",
@@ -115,6 +120,7 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",

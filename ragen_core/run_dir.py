@@ -24,7 +24,7 @@ import yaml
 from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, load_config
 from ragen_core.errors import RagenError
 from ragen_core.integrity import record, verify
-from ragen_core.state_folder import state_dir
+from ragen_core.state_folder import locate_run, run_index_path, run_not_found, state_dir
 from ragen_core.storage import write_error
 
 
@@ -271,7 +271,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 def _index_path() -> Path:
-    return state_dir() / "runs.json"
+    return run_index_path()
 
 
 #: A run name: letters, digits, ``-``, ``_`` and ``.``, starting with a letter or digit, so that it is
@@ -357,18 +357,7 @@ def _index_add(run_id: str, root: Path) -> None:
 
 def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:
     """A run by directory, by id (the state folder's run index), or by id under ``run_root``."""
-    p = Path(run_id_or_path)
-    candidates = [p]
-    if _index_path().exists():
-        known = json.loads(_index_path().read_text()).get(run_id_or_path)
-        if known:
-            candidates.append(Path(known))
-    default_root = Path(run_root or state_dir() / "runs")
-    candidates.append(default_root / run_id_or_path)
-    for c in candidates:
-        if (c / "config.yaml").is_file():
-            return RunDir(c)
-    raise FileNotFoundError(
-        f"no run {run_id_or_path!r}: not a run directory, not in the run index {_index_path()}, and not "
-        f"under {default_root}; pass the run directory"
-    )
+    root = locate_run(run_id_or_path, run_root)
+    if root is None:
+        raise FileNotFoundError(run_not_found(run_id_or_path, run_root))
+    return RunDir(root)

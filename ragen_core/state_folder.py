@@ -26,3 +26,34 @@ def cache_dir() -> Path:
     """ragen-flow's folder in the user cache: ``$XDG_CACHE_HOME/ragen-flow``, else
     ``~/.cache/ragen-flow`` (an empty ``XDG_CACHE_HOME`` counts as unset, as in the Makefile)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ragen-flow"
+
+
+def run_index_path() -> Path:
+    """``<state>/runs.json``: run id -> run directory, for every run created with this state folder."""
+    return state_dir() / "runs.json"
+
+
+def locate_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> Path | None:
+    """The directory of a run given by directory, by id (the run index) or by id under ``run_root``
+    (default ``<state>/runs``); None when there is none. Here, not in ``run_dir``, because the CLI asks
+    it before anything heavy loads (``run_dir`` brings the config module, hence torch): an unknown run
+    fails in a fraction of a second."""
+    import json
+
+    candidates = [Path(run_id_or_path)]
+    index = run_index_path()
+    if index.exists():
+        known = json.loads(index.read_text()).get(run_id_or_path)
+        if known:
+            candidates.append(Path(known))
+    candidates.append(Path(run_root or state_dir() / "runs") / run_id_or_path)
+    return next((c for c in candidates if (c / "config.yaml").is_file()), None)
+
+
+def run_not_found(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> str:
+    """Why :func:`locate_run` found nothing, and the fix (one line)."""
+    default_root = Path(run_root or state_dir() / "runs")
+    return (
+        f"no run {run_id_or_path!r}: not a run directory, not in the run index {run_index_path()}, and not "
+        f"under {default_root}; pass the run directory"
+    )

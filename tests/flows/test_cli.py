@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from flows.cli import app, summarize
+from flows.cli import app, success_per_tag, summarize
 from ragen_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -206,9 +206,11 @@ def test_summary_numbers(handmade):
     assert every["mean_turns"] == pytest.approx(7 / 4)
 
     out = invoke("show", str(handmade), "--limit", "0").output
-    sok_line = next(line for line in out.splitlines() if "SimpleSokoban" in line)
+    sok_line = next(
+        line for line in out.splitlines() if "SimpleSokoban" in line and "│" in line
+    )  # the table row
     assert re.findall(r"[-+]?\d+\.?\d*%?", sok_line) == ["2", "50.0%", "+4.700", "2.50", "15.0", "20.0%"]
-    fl_line = next(line for line in out.splitlines() if "FrozenLake" in line)
+    fl_line = next(line for line in out.splitlines() if "FrozenLake" in line and "│" in line)  # the table row
     assert re.findall(r"[-+]?\d+\.?\d*%?", fl_line) == ["2", "50.0%", "+0.450", "1.00", "5.0", "50.0%"]
 
 
@@ -225,3 +227,198 @@ def test_bad_file_exits_1_naming_the_file(handmade, tmp_path, kind):
     assert path.name in result.output
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# ------------------------------------------------------------------ issue 21: CLI polish
+def _commands(command, path: tuple[str, ...] = ()):
+    """(path, click command) of the app and every command and sub-command under it."""
+    yield path, command
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _commands(sub, (*path, name))
+
+
+def test_version_and_short_help():
+    import importlib.metadata
+
+    import typer
+
+    result = invoke("--version")
+    assert (
+        result.exit_code == 0
+        and result.output.strip() == f"ragen-flow {importlib.metadata.version('ragen-flow')}"
+    )
+    for path, _ in _commands(typer.main.get_command(app)):
+        short, long = invoke(*path, "-h"), invoke(*path, "--help")
+        assert short.exit_code == 0 and short.output.startswith("Usage: "), (path, short.output)
+        assert short.output == long.output, path
+
+
+def test_console_script_version():
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "--version"], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert re.fullmatch(r"ragen-flow \d+\.\d+\.\d+\S*\n", out.stdout), out.stdout
+
+
+def test_every_option_has_help_and_lists_its_choices():
+    """Issue 21: --backend, --stage and --engine did not list their choices; some options had no help."""
+    import typer
+
+    choices_seen = {}
+    for path, command in _commands(typer.main.get_command(app)):
+        help_text = " ".join(invoke(*path, "--help").output.split())
+        for param in command.params:
+            assert (param.help or "").strip(), f"{' '.join(('ragen', *path))} {param.opts}: no help text"
+            descriptor = getattr(param, "type_descriptor", None)  # typer's view of the annotation
+            if descriptor is not None and descriptor.is_choice:
+                shown = "|".join(str(c) for c in descriptor.choices)
+                assert f"<{shown}>" in help_text, (path, param.opts, help_text)
+                choices_seen[param.opts[0]] = shown
+    assert {"--backend", "--stage", "--engine", "--dtype"} <= set(choices_seen), choices_seen
+
+
+@pytest.fixture(scope="module")
+def stored_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A state folder with one run (as training leaves it) of two iterations: iteration 1 without a
+    filter decision, iteration 2 with one (groups 0 kept, 1 dropped). Returns (state, run directory)."""
+    from ragen_core.config import dump_config, load_config
+
+    state = tmp_path_factory.mktemp("state")
+    run = state / "runs" / "bandit-tiny-0123abcd-ef4567"
+    run.mkdir(parents=True)
+    dump_config(load_config(ROOT / "configs" / "bandit-tiny.yaml"), run / "config.yaml")
+    for k in (1, 2):
+        write_trajectories(HANDMADE, run / f"iter_{k:04d}" / "rollouts.parquet")
+    # rows 0 and 1 are group 0, rows 2 and 3 group 1 (make(): group_id = env_id // 2)
+    (run / "iter_0002" / "filter.json").write_text('{"kept_rows": [0, 1], "metrics": {}}')
+    return state, run
+
+
+def invoke_in(state: Path, *args: str):
+    return runner.invoke(
+        app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1", "RAGEN_STATE_DIR": str(state)}
+    )
+
+
+def marks(output: str) -> dict[int, str]:
+    return {int(r): d for r, d in re.findall(r"row (\d+): .*? (KEPT|DROPPED) by the filter", output)}
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["{id}", "{dir}", "{id}/iter_0002", "{id}/iter_2", "{dir}/iter_0002", "{dir}/iter_0002/rollouts.parquet"],
+)
+def test_show_a_run_or_iteration_marks_the_filter_decisions(stored_run, target):
+    """Issue 21: `ragen show RUN_ID` and `ragen show RUN/iter_0002` were not understood; the filter's
+    decisions were nowhere to be seen."""
+    state, run = stored_run
+    result = invoke_in(state, "show", target.format(id=run.name, dir=run), "--limit", "4")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    if not target.endswith(".parquet"):  # the file read is named when the argument did not name it
+        assert f"trajectories: {run / 'iter_0002' / 'rollouts.parquet'}" in text
+    assert marks(result.output) == {0: "KEPT", 1: "KEPT", 2: "DROPPED", 3: "DROPPED"}
+    assert f"filter: kept 2 of 4 trajectories (whole groups; {run / 'iter_0002' / 'filter.json'})" in text
+    assert text.count("filter: dropped") == 2  # on the result line of each dropped trajectory
+
+
+def test_show_an_iteration_without_filter_and_the_summary_counts(stored_run):
+    state, run = stored_run
+    result = invoke_in(state, "show", f"{run.name}/iter_0001", "--limit", "4")
+    assert result.exit_code == 0, result.output
+    assert rows_shown(result.output) == [0, 1, 2, 3] and not marks(result.output)
+    assert "kept by filter" not in result.output
+    result = invoke_in(state, "show", run.name, "--limit", "0")
+    counts = {
+        cells[0]: cells[1:3]
+        for line in result.output.splitlines()
+        if (cells := [c.strip() for c in line.strip("│ ").split("│")])
+        and cells[0] in ("SimpleSokoban", "FrozenLake", "all")
+    }
+    assert counts == {"SimpleSokoban": ["2", "2"], "FrozenLake": ["2", "0"], "all": ["4", "2"]}, result.output
+
+
+def test_show_says_what_success_means(stored_run, tmp_path):
+    """Issue 21: a Bandit answer with reward +0.00 showed SUCCESS next to one with +0.10 FAILED."""
+    state, run = stored_run
+    out = invoke_in(state, "show", run.name, "--limit", "0").output
+    assert "success on SimpleSokoban: every box is on a target within the action budget." in out
+    assert "success on FrozenLake: " in out
+    bandit = [make("Bandit", 0, True, 0.0, 1, 3, [0.0]), make("Bandit", 1, False, 0.1, 1, 3, [0.0])]
+    path = write_trajectories(bandit, tmp_path / "bandit.parquet")
+    out = invoke_in(state, "show", str(path)).output
+    assert "success on Bandit: the pulled arm is the high-risk arm, whatever it happened to pay." in out
+    assert "success on SimpleSokoban" not in out  # only the tags shown
+
+
+@pytest.mark.parametrize(
+    ("target", "needles"),
+    [
+        (
+            "{id}/iter_0009",
+            ("iter_0009", "no rollouts.parquet", "iterations with rollouts: iter_0001, iter_0002"),
+        ),
+        ("no-such-run", ("no-such-run", "no such trajectory file, iteration folder or run", "RUN/iter_K")),
+        ("no-such-run/iter_0002", ("no-such-run/iter_0002", "pass a .parquet file, a run id")),
+    ],
+)
+def test_show_of_nothing_says_what_to_pass(stored_run, target, needles):
+    state, run = stored_run
+    result = invoke_in(state, "show", target.format(id=run.name))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    for needle in needles:
+        assert needle in text, (needle, text)
+
+
+def test_configure_environment_turns_telemetry_off_without_overriding_the_user(tmp_path):
+    """Issue 21: Prefect's telemetry notice was printed although the README promises no telemetry."""
+    from tests.process_env import child_env
+
+    probe = (
+        "import json, os, sys\n"
+        "from flows.settings import configure_environment\n"
+        "configure_environment(sys.argv[1])\n"
+        "from prefect._internal.analytics.enabled import is_telemetry_enabled\n"
+        "print(json.dumps({k: os.environ.get(k) for k in sys.argv[2:]} | {'prefect': is_telemetry_enabled()}))\n"
+    )
+    keys = [
+        "DO_NOT_TRACK",
+        "PREFECT_SERVER_ANALYTICS_ENABLED",
+        "MLFLOW_DISABLE_TELEMETRY",
+        "HF_HUB_DISABLE_TELEMETRY",
+        "RAY_USAGE_STATS_ENABLED",
+    ]
+    import json
+
+    def run(**env: str) -> dict:
+        base = {k: v for k, v in child_env().items() if k not in keys}
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "state"), *keys],
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        return json.loads(out.stdout.splitlines()[-1])
+
+    got = run()
+    assert got == {
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "prefect": False,
+    }
+    assert run(DO_NOT_TRACK="0", MLFLOW_DISABLE_TELEMETRY="false")["DO_NOT_TRACK"] == "0"
+
+
+def test_train_prints_validation_success_per_tag_never_averaged():
+    """Issue 21: success is reported per tag; a training tag is never averaged with a held-out one."""
+    step = {"val-env/success": 0.5, "val-env/Bandit/success": 0.75, "val-env/BanditTest/success": 0.25}
+    assert success_per_tag(step, ["Bandit"], ["Bandit", "BanditTest"]) == {
+        "Bandit": 0.75,
+        "BanditTest (held out)": 0.25,
+    }

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.evaluate import EvaluateRequest, budgets, evaluate
+from flows.evaluate import (
+    EvaluateRequest,
+    Policy,
+    budgets,
+    evaluate,
+    evaluation_markdown,
+    resolve_policy,
+    tag_rows,
+)
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.trajectory import read_trajectories
 
@@ -82,7 +90,48 @@ def test_evaluate_plays_tags_with_different_budgets_on_one_model(
     assert turns["Bandit"] == 1  # the untrained model answers badly: more turns would be played if allowed
     assert turns["SimpleSokoban"] > 1
     metrics = result["metrics"]
-    per_tag = [metrics["val-env/Bandit/success"], metrics["val-env/SimpleSokoban/success"]]
-    assert metrics["val-env/success"] == pytest.approx(sum(per_tag) / 2)
+    # success per tag only: an average over tags would mix a trained-on tag with a held-out one
+    assert {"val-env/Bandit/success", "val-env/SimpleSokoban/success"} <= set(metrics)
+    assert "val-env/success" not in metrics
+    assert [r["tag"] for r in result["tags"]] == ["Bandit", "SimpleSokoban"]
+    assert all(r["held_out"] is None for r in result["tags"])  # a model folder: trained on nothing known
     assert "playing Bandit: 3 episodes each, 1 turn(s), 6 new tokens per turn" in caplog.text
     assert "SimpleSokoban: success" in caplog.text
+
+
+def test_a_run_defaults_to_its_validation_tags_a_model_to_simple_sokoban(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 21: `evaluate --tags` defaulted to SimpleSokoban whatever the run trained on."""
+    from ragen_core.config import dump_config, load_config
+    from ragen_core.run_dir import RunDir
+
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path))
+    run = RunDir(tmp_path / "runs" / "bandit-0123abcd-ef4567")
+    cfg = load_config(
+        ROOT / "configs" / "bandit-tiny.yaml", ["val.tags=[Bandit,BanditTest]", "val.n_groups=[4,4]"]
+    )
+    dump_config(cfg, run.config_path)
+    run.init_policy.mkdir()
+    policy = resolve_policy(run.root.name)
+    assert policy.label == f"{run.root.name}@0" and policy.path == run.init_policy
+    assert policy.default_tags() == ["Bandit", "BanditTest"] and policy.train_tags == ["Bandit"]
+    assert [policy.held_out(t) for t in ("Bandit", "BanditTest")] == [False, True]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    model = resolve_policy(str(folder))
+    assert model.default_tags() == ["SimpleSokoban"] and model.held_out("Bandit") is None
+
+
+def test_the_evaluation_report_keeps_held_out_tags_apart() -> None:
+    policy = Policy("p", None, None, "run@3", train_tags=["Bandit"], val_tags=["Bandit", "BanditTest"])
+    metrics = {"val-env/BanditTest/success": 0.25, "val-env/Bandit/success": 0.75}
+    rows = tag_rows(policy, ["BanditTest", "Bandit"], metrics)
+    assert [(r["tag"], r["held_out"], r["success"]) for r in rows] == [
+        ("Bandit", False, 0.75),  # trained-on tags first
+        ("BanditTest", True, 0.25),
+    ]
+    text = evaluation_markdown("run@3", rows, 64, "abc123")
+    assert "| Bandit | 0.750 | yes |" in text and "| BanditTest | 0.250 | **held out** |" in text
+    assert "MLflow run `abc123`" in text and "the pulled arm is the high-risk arm" in text
+    assert "0.5" not in text  # no average of the two

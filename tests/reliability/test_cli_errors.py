@@ -193,11 +193,127 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_error_inside_a_flow_is_one_line(tmp_path: Path) -> None:
-    """Raised inside the evaluate flow (the model is looked up by the rollout worker): Prefect's own
-    report of the failed flow run (the message and ~80 lines of traceback) stays off the console."""
-    out = ragen(["evaluate", "no-such-model", "--tags", "Bandit", "--n", "1"], tmp_path)
-    one_clear_line(out, "model 'no-such-model' not found locally", "pass a local directory", max_lines=3)
+    """Raised inside the evaluate flow (the model is loaded by the rollout worker): Prefect's own
+    report of the failed flow run (the message and ~80 lines of traceback) stays off the console. The
+    model is in the Hugging Face cache (so the CLI lets it through) but has no files."""
+    (tmp_path / "hub" / "models--fake-org--no-such-model" / "snapshots" / "0123").mkdir(parents=True)
+    out = ragen(
+        ["evaluate", "fake-org/no-such-model", "--tags", "Bandit", "--n", "1"],
+        tmp_path,
+        extra_env={"HF_HUB_CACHE": str(tmp_path / "hub")},
+    )
+    one_clear_line(
+        out, "model 'fake-org/no-such-model' not found locally", "pass a local directory", max_lines=3
+    )
     assert "Encountered exception" not in out.stderr
+
+
+#: What the defect loaded before it found out that the run did not exist (20 s, a Hugging Face lookup).
+HEAVY = ("torch", "transformers", "prefect", "mlflow", "ray", "huggingface_hub")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (
+            ["evaluate", "no-such-run"],
+            (
+                "no run or model 'no-such-run'",
+                "not a run id or run directory",
+                "not in the Hugging Face cache",
+                "nothing is downloaded",
+                "pass a run id or RUN_ID@STEP",
+            ),
+        ),
+        (
+            ["evaluate", "models/no-such-folder"],
+            ("no run or model 'models/no-such-folder'", "a model folder"),
+        ),
+        (["evaluate", "no-such-run@3"], ("no run 'no-such-run'", "pass the run directory")),
+        (
+            ["evaluate", "pyproject.toml"],
+            ("pyproject.toml is a file, not a model folder or a run", "a run id"),
+        ),
+        (
+            ["show", "no-such-run"],
+            ("no-such-run: no such trajectory file, iteration folder or run", "RUN/iter_K"),
+        ),
+        (["show", "no-such-run/iter_0002"], ("no-such-run/iter_0002: no such trajectory file", "a run id")),
+    ],
+)
+def test_unknown_run_or_path_fails_at_once(args: list[str], needles: tuple[str, ...], tmp_path: Path) -> None:
+    """Issue 21: `ragen evaluate no-such-run` took 20 s and printed a 280-line traceback about a missing
+    Hugging Face model. Now one line, before anything heavy is imported: the wall time below includes
+    the interpreter's start-up (on a loaded machine); the import check is the exact one."""
+    t0 = time.perf_counter()
+    out = ragen(args, tmp_path)
+    elapsed = time.perf_counter() - t0
+    one_clear_line(out, *needles, max_lines=1)
+    assert "HF_HOME" not in out.stderr and "Traceback" not in out.stderr
+    assert elapsed < 5, elapsed
+    traced = ragen(args, tmp_path, extra_env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in traced.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert imported and not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.slow
+def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_apart(tmp_path: Path) -> None:
+    """Issue 21: `evaluate --tags` defaulted to SimpleSokoban whatever the run trained on; the printed
+    and logged `success` averaged a training tag with a held-out one; no Prefect artifact; no MLflow
+    run id. A run trained on Bandit and validated on Bandit and BanditTest (its policy: the step-0 one)."""
+    import json
+    import re
+
+    from ragen_core.config import dump_config, load_config
+    from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+    from ragen_core.run_dir import RunDir
+    from tests.prefect_server import prefect_api
+
+    run = RunDir(tmp_path / "runs" / "bandit-tiny-0123abcd-ef4567")
+    dump_config(load_config(CONFIG, ["val.tags=[Bandit,BanditTest]", "val.n_groups=[4,4]"]), run.config_path)
+    model, tok = build_tiny_policy(
+        ModelConfig(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            corpus_seeds=2,
+            seed=1,
+        )
+    )
+    save_policy(model, tok, run.init_policy)
+    out = ragen(["evaluate", run.root.name, "--n", "2", "--max-new-tokens", "4"], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = " ".join(out.stdout.split())
+    assert "Bandit (trained on)" in text and "BanditTest (held out)" in text, text
+    assert "SimpleSokoban" not in text
+    assert "success on BanditTest: the pulled arm is the high-risk arm" in text
+    last = out.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"MLflow run of the evaluation: ([0-9a-f]{32}) \(experiment ragen-flow;.*", last)
+    assert found, last
+    mlflow_run = found.group(1)
+    (metrics_file,) = (tmp_path / "evals").glob("*/metrics.json")
+    metrics = json.loads(metrics_file.read_text())
+    assert {"val-env/Bandit/success", "val-env/BanditTest/success"} <= set(metrics)
+    assert not [k for k in metrics if k.endswith("/success") and k.count("/") == 1], (
+        metrics
+    )  # no val-env/success
+
+    key = f"evaluation-{run.root.name}-0"  # the label RUN@0, as a Prefect artifact key
+    (artifact,) = prefect_api("/artifacts/filter", {"artifacts": {"key": {"any_": [key]}}})
+    markdown = artifact["data"]
+    assert "| Bandit |" in markdown and "| BanditTest |" in markdown and "**held out**" in markdown
+    assert mlflow_run in markdown
+
+    from mlflow import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(mlflow_run).data.tags
+    assert tags["ragen.train_tags"] == "Bandit" and tags["ragen.held_out_tags"] == "BanditTest"
 
 
 # -------------------------------------------------------------------- in process: the wrapper itself
