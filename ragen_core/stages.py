@@ -210,11 +210,34 @@ def evaluate_stage(
     table, env_metrics = play(cfg, run, session, "val", step)
     path = write_table(table, run.eval_file(step))
     metrics = {f"val-env/{key}": v for key, v in env_metrics.items()}
+    metrics.update(held_out_apart(cfg, env_metrics))
     metrics.update(_response_metrics(table, "val/"))
     metrics["timing_s/testing"] = time.perf_counter() - t0
     atomic_write_text(run.eval_metrics_file(step), json.dumps(metrics, indent=1, sort_keys=True))
     stage_record.save(record, inputs, [path, run.eval_metrics_file(step)], metrics)
     return path, metrics
+
+
+def held_out_apart(cfg: RagenConfig, env_metrics: Mapping[str, float]) -> dict[str, float]:
+    """Validation success never averages a trained tag with a held-out one (a tag the run does not
+    train on, such as BanditTest): with held-out tags, ``val-env/success`` is the success over the
+    trained tags' episodes and ``val-env/held-out/success`` over the others'. Without, nothing changes."""
+    val, trained = cfg.val, set(cfg.train.tags)
+    episodes: dict[str, int] = {}
+    for tag, n in zip(val.tags, val.n_groups, strict=True):
+        episodes[tag] = episodes.get(tag, 0) + n * val.group_size
+    held_out = [t for t in episodes if t not in trained]
+    if not held_out:
+        return {}
+    out: dict[str, float] = {}
+    for key, tags in (
+        ("val-env/success", [t for t in episodes if t in trained]),
+        ("val-env/held-out/success", held_out),
+    ):
+        n = sum(episodes[t] for t in tags)
+        if n:
+            out[key] = sum(env_metrics[f"{t}/success"] * episodes[t] for t in tags) / n
+    return out
 
 
 def eval_due(cfg: RagenConfig, step: int) -> bool:

@@ -1,7 +1,8 @@
 """MLflow tracking for ragen-flow: one MLflow run per training run, batched, resumable, fail-fast.
 
-This is the only module that imports ``mlflow`` (docs/architecture.md, "Layers"), and it imports it lazily, so
-that reading a ``TrackingConfig`` costs nothing.
+This module and ``episode_traces`` (which it calls) are the only ones that import ``mlflow``
+(docs/architecture.md, "Layers"), and they import it lazily, so that reading a ``TrackingConfig``
+costs nothing.
 
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
 environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:
@@ -30,6 +31,10 @@ What a run holds:
   ``log_table`` for the UI's table view; one table path only, because ``log_table`` lists every
   table in a tag whose length is limited), and paper-style plots (``log_plots``: PNG under
   ``plots/``).
+* traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.episode_traces``): a
+  sample of each iteration's train rollouts and every validation episode of the final step, one chat
+  span per turn, the score, success and filter decision as feedback; sent to this store's trace API
+  directly (no global tracer), and skipped on a resume when the store already has them.
 
 Failures cost seconds, not minutes, and never stop training. For our client, MLflow's HTTP
 settings default to a short leash (``HTTP_DEFAULTS``: 2 retries, 4 s timeout, backoff factor 1;
@@ -62,7 +67,6 @@ import re
 import shutil
 import socket
 import ssl
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -87,6 +91,8 @@ LOCAL_UI_URL = "http://127.0.0.1:5000"
 MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 ITERATION_KEY = "iteration"
+#: The experiment tag that picks the MLflow UI's view of an experiment (model training or GenAI).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 SKIPPED_KEY = "tracking/skipped_nonfinite"
 PARENT_TAG = "mlflow.parentRunId"
 CHANGED_PARAMS_TAG = "ragen.resume.changed_params"
@@ -134,6 +140,23 @@ class TrackingConfig(BaseModel):
     )
     connect_timeout_s: float = Field(
         default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
+    )
+    traces_per_tag: int = Field(
+        default=2,
+        ge=0,
+        description="train episodes logged as MLflow traces per env tag and iteration (the run's Traces "
+        "tab: one chat span per turn, score/success/filter decision as feedback); 0: none",
+    )
+    max_traces_per_step: int = Field(
+        default=64,
+        ge=0,
+        description="at most this many episode traces per step and file; the final evaluation traces every "
+        "validation episode up to it; 0: no traces at all",
+    )
+    system_metrics: bool = Field(
+        default=True,
+        description="log the machine's CPU, memory, disk, network (and GPU) use as system/* metrics every "
+        "10 s while the run trains (MLflow's System metrics tab)",
     )
     background: bool = Field(
         default=True,
@@ -379,6 +402,10 @@ class Tracker:
         self.offline: str | None = None
         self._logged_steps: set[int] = set()
         self._table_step: int | None = None
+        #: The experiment of the current run (set by ``start``); traces go there.
+        self.experiment_id: str | None = None
+        self._resumed = False
+        self._tracing: Any = None  # mlflow TracingClient on tracking_uri, made at the first trace
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
             _probe_http(self.tracking_uri, cfg.connect_timeout_s)
@@ -419,6 +446,11 @@ class Tracker:
             self.offline,
         )
 
+    def go_offline(self, what: str, e: BaseException) -> None:
+        """For the modules that log through this tracker's client (models, traces): a failed call
+        takes the tracker offline, as a failed call of its own does."""
+        self._go_offline(what, e)
+
     def offline_message(self, run_id: str, run_dir: str | os.PathLike[str]) -> str | None:
         """What the user should do after a run whose tracking went offline (None: it did not)."""
         if self.offline is None:
@@ -448,7 +480,14 @@ class Tracker:
                 self.client.restore_experiment(exp.experiment_id)
             return exp.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=self._artifact_location())
+            # Runs with traces make MLflow's UI open the experiment in its GenAI view (traces and
+            # evaluations); this is model training, so it opens on the runs and their charts. A user's
+            # own choice in the UI replaces the tag.
+            return self.client.create_experiment(
+                name,
+                artifact_location=self._artifact_location(),
+                tags={EXPERIMENT_KIND_TAG: "custom_model_development"},
+            )
         except MlflowException:  # created meanwhile by another process (a parallel sweep member)
             exp = self.client.get_experiment_by_name(name)
             if exp is None:
@@ -497,12 +536,14 @@ class Tracker:
                 }
                 t = run.data.tags.get(TABLE_STEP_TAG)
                 self._table_step = int(t) if t is not None else None
+                self.experiment_id, self._resumed = run.info.experiment_id, True
             else:
                 exp_id = self._experiment_id()
                 run = self.client.create_run(exp_id, run_name=run_name)
                 run_id = run.info.run_id
                 self._logged_steps = set()
                 self._table_step = None
+                self.experiment_id, self._resumed = exp_id, False
         except TrackingError:
             raise
         except Exception as e:
@@ -682,21 +723,27 @@ class Tracker:
         except Exception as e:
             self._go_offline(f"upload {p} to run {run_id}", e)
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Upload ``text`` as the artifact ``artifact_file`` (e.g. ``transcripts/iter_0003.html``;
+        overwritten on a re-log; no-op when ``log_artifacts`` is off)."""
+        run_id = self._require_run()
+        if not self.cfg.log_artifacts or self.offline is not None:
+            return
+        try:
+            self.client.log_text(run_id, text, artifact_file)
+        except Exception as e:
+            self._go_offline(f"upload {artifact_file} to run {run_id}", e)
+
     def log_transcripts(self, rows: list[dict[str, Any]], step: int, append_table: bool = True) -> None:
-        """Keep the first ``transcripts_per_iteration`` rows of iteration ``step``: as
-        ``transcripts/iter_XXXX.json`` (rows as JSON, overwritten on a re-log) and appended to the
-        run's table ``transcripts.json`` (a ``step`` column; nested values as JSON strings) unless
-        that table already has this step."""
+        """Append the first ``transcripts_per_iteration`` rows of iteration ``step`` to the run's table
+        ``transcripts.json`` (a ``step`` column; nested values as JSON strings) unless that table
+        already has this step. The readable page of each iteration is ``log_text``'s job."""
         run_id = self._require_run()
         n = self.cfg.transcripts_per_iteration
         if not self.cfg.log_artifacts or n == 0 or not rows or self.offline is not None:
             return
-        rows = [dict(r) for r in rows[:n]]
+        rows = [{k: v for k, v in r.items() if k != "messages"} for r in rows[:n]]
         step = int(step)
-        with tempfile.TemporaryDirectory(prefix="ragen-transcripts-") as tmp:
-            f = Path(tmp) / f"iter_{step:04d}.json"
-            f.write_text(json.dumps({"step": step, "rows": rows}, indent=1, default=str, ensure_ascii=False))
-            self.log_artifact(f, "transcripts")
         if (
             self.offline is not None
             or not append_table
@@ -723,6 +770,40 @@ class Tracker:
         self._table_step = step
         self.set_tags({TABLE_STEP_TAG: str(step)})
 
+    def log_episode_traces(
+        self, path: str | os.PathLike[str], step: int, kept_rows: list[int] | None = None
+    ) -> int:
+        """Log the episodes of a trajectory file of ``step`` as MLflow traces of this run
+        (``ragen_core.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
+        filter's decision, as feedback), every episode of a validation file; at most
+        ``max_traces_per_step``. Off with ``log_artifacts``. A resumed run skips the traces its store
+        already has. Returns the number of traces sent."""
+        from ragen_core.episode_traces import send_traces, traces_of_file
+
+        run_id = self._require_run()
+        if not self.cfg.log_artifacts or self.offline is not None or self.experiment_id is None:
+            return 0
+        traces = traces_of_file(  # a damaged file raises here: not a store failure
+            path,
+            int(step),
+            experiment_id=self.experiment_id,
+            mlflow_run_id=run_id,
+            per_tag=self.cfg.traces_per_tag,
+            cap=self.cfg.max_traces_per_step,
+            kept_rows=kept_rows,
+        )
+        if not traces:
+            return 0
+        try:
+            if self._tracing is None:
+                from mlflow.tracing.client import TracingClient
+
+                self._tracing = TracingClient(self.tracking_uri)  # this store, not MLflow's global one
+            return len(send_traces(self._tracing, self.experiment_id, traces, skip_existing=self._resumed))
+        except Exception as e:
+            self._go_offline(f"log episode traces of {Path(path).name} to run {run_id}", e)
+            return 0
+
     def log_plots(
         self,
         out_dir: str | os.PathLike[str],
@@ -730,7 +811,7 @@ class Tracker:
         title: str | None = None,
     ) -> list[Path]:
         """Draw the paper-style curves from this run's metric history into ``out_dir`` (see
-        ``render_plots``) and upload them under ``plots/``. Returns the PNG paths."""
+        ``render_plots``) and upload them under ``plots/``, the overview at the top. Returns the PNG paths."""
         run_id = self._require_run()
         if self.offline is not None:
             return []
@@ -742,8 +823,8 @@ class Tracker:
         from ragen_core.plotting import render_plots
 
         paths = render_plots(hist, out_dir, markers=markers, title=title)
-        for p in paths:
-            self.log_artifact(p, "plots")
+        for p in paths:  # the overview is what a reader opens first: at the top of the artifacts
+            self.log_artifact(p, None if p.name == "overview.png" else "plots")
         return paths
 
 

@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
+from ragen_core.lineage import SystemMetrics, log_lineage
+from ragen_core.logged_models import log_kept_models
 from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
 from ragen_core.preflight import preflight
@@ -40,7 +42,7 @@ from ragen_core.run_lock import RunLock
 from ragen_core.session import Session
 from ragen_core.stages import check_resumable, eval_due
 from ragen_core.tracking import BackgroundLog, RunStatus, Tracker
-from ragen_core.trajectory import read_trajectories
+from ragen_core.transcripts import to_html, transcript_rows
 
 Log = logging.Logger | logging.LoggerAdapter
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
@@ -144,12 +146,15 @@ class Training:
         self.background = BackgroundLog(cfg.tracking.background)
         self.clock = IterationClock(cfg.trainer.iterations)
         self.status: RunStatus = "FAILED"
+        self.system_metrics: SystemMetrics | None = None
 
     def __enter__(self) -> Training:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.background.close()
+        if self.system_metrics is not None:
+            self.system_metrics.stop()
         if self.session is not None:
             self.session.close()
         if self.mlflow_run is not None:  # a failed start has no MLflow run to end
@@ -177,15 +182,18 @@ class Training:
             parent_run_id=parent_run_id,
         )
         self.run.update_info(mlflow_run_id=self.mlflow_run)
+        self.system_metrics = SystemMetrics(self.tracker, self.cfg.tracking.system_metrics).start()
         return self.mlflow_run
 
     def log_config(self) -> None:
-        """Upload ``config.yaml`` once per run (a resume does not upload it again)."""
-        if not self.cfg.tracking.log_artifacts or "config.yaml" in self.info.get("logged_artifacts", []):
-            return
-        self.tracker.log_artifact(self.run.config_path)
-        if self.tracker.offline is None:  # uploaded, not skipped by a tracker that lost its server
-            self.run.update_info(logged_artifacts=["config.yaml"])
+        """Upload ``config.yaml`` once per run (a resume does not upload it again); then what the run
+        trains and validates on (dataset inputs) and the warm start's loss curve, also once."""
+        logged = self.run.info().get("logged_artifacts", [])
+        if self.cfg.tracking.log_artifacts and "config.yaml" not in logged:
+            self.tracker.log_artifact(self.run.config_path)
+            if self.tracker.offline is None:  # uploaded, not skipped by a tracker that lost its server
+                self.run.update_info(logged_artifacts=[*logged, "config.yaml"])
+        log_lineage(self.tracker, self.cfg, self.run)
 
     def open_session(self) -> Session:
         """The rollout worker and learner(s), closed on exit."""
@@ -284,25 +292,25 @@ class Training:
         self.background.flush()
         best, final_step = run.best_step(k), run.start_of(k + 1)  # where a last rollback went back to
         self.tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
+        self.tracker.set_tags({"mlflow.note.content": run_description(self.cfg, run, self.run_id, k, best)})
         if self.cfg.tracking.log_artifacts:
             self.tracker.log_plots(run.root / "plots")
-            if final_step > 0:
-                self.tracker.log_artifacts(run.policy_after(final_step), "model/final")
-            if best is not None:
-                self.tracker.log_artifacts(run.policy_after(best), "model/best")
+        models = log_kept_models(self.tracker, run, {"final": final_step or None, "best": best})
         self.status = "FINISHED"
         final = run.read_json(run.metrics_file(k)) if k > 0 else {}
         url = self.tracker.run_url(self.mlflow_run) if self.mlflow_run else None
         self.progress.info(
-            "run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s",
+            "run %s finished: %d iterations (%s in this process), best step %s; MLflow run %s%s%s",
             self.run_id,
             k,
             duration(sum(self.clock.times)),
             best,
             self.mlflow_run,
             f" ({url})" if url else "",
+            "; registered as " + ", ".join(f"models:/{self.run_id}@{a}" for a in models) if models else "",
         )
         return {
+            "models": {alias: f"models:/{self.run_id}@{alias}" for alias in models},
             "run_id": self.run_id,
             "run_dir": str(run.root),
             "mlflow_run_id": self.mlflow_run,
@@ -322,33 +330,61 @@ class Training:
         if cfg.tracking.log_artifacts:
             if k > 0 and run.rollouts(k).exists():
                 tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-                # Per-iteration JSON only: appending to the MLflow table re-uploads it whole each time.
-                tracker.log_transcripts(
-                    transcripts(run.rollouts(k), cfg.tracking.transcripts_per_iteration),
-                    k,
-                    append_table=k == cfg.trainer.iterations,
-                )
+                kept = None
+                if run.filter_file(k).exists():  # the filter's decisions, beside the rollouts they judge
+                    tracker.log_artifact(run.filter_file(k), f"rollouts/iter_{k:04d}")
+                    kept = list(run.read_json(run.filter_file(k))["kept_rows"])
+                rows = transcript_rows(run.rollouts(k), cfg.tracking.transcripts_per_iteration, kept)
+                if rows:
+                    tracker.log_text(
+                        to_html(rows, f"{self.run_id}, iteration {k}"), f"transcripts/iter_{k:04d}.html"
+                    )
+                # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
+                tracker.log_transcripts(rows, k, append_table=k == cfg.trainer.iterations)
             if run.eval_file(k).exists():
                 tracker.log_artifact(run.eval_file(k), "eval")
+            # Episodes as MLflow traces: a sample of the train rollouts; every validation episode at the end.
+            for path, kept in traced_files(run, k, final=k == cfg.trainer.iterations):
+                tracker.log_episode_traces(path, k, kept)
         tracker.log_iteration(k, dict(metrics))
 
 
-def transcripts(path: Path, n: int) -> list[dict[str, Any]]:
-    """The first ``n`` trajectories of a rollouts file as readable rows (MLflow's transcripts table)."""
-    rows = []
-    for t in read_trajectories(path)[:n]:
-        rows.append(
-            {
-                "env_tag": t.env_tag,
-                "seed": t.seed,
-                "success": t.success,
-                "score": t.score,
-                "turns": t.turn_count,
-                "actions": t.actions,
-                "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:]),
-            }
-        )
-    return rows
+def traced_files(run: RunDir, k: int, final: bool) -> list[tuple[Path, list[int] | None]]:
+    """The trajectory files whose episodes step ``k`` logs as MLflow traces, each with the filter's kept
+    rows (train) or None: iteration ``k``'s rollouts (``k > 0``), and its evaluation if it is ``final``."""
+    out: list[tuple[Path, list[int] | None]] = []
+    if k > 0 and run.rollouts(k).exists():
+        f = run.filter_file(k)
+        out.append((run.rollouts(k), list(run.read_json(f)["kept_rows"]) if f.exists() else None))
+    if final and run.eval_file(k).exists():
+        out.append((run.eval_file(k), None))
+    return out
+
+
+def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best: int | None) -> str:
+    """The MLflow run's description (markdown): what ran, and what it reached, per validation tag."""
+    algo = cfg.learner.algorithm
+    model = cfg.model.imported or cfg.model.path or "the tiny local model (built from environment text)"
+    warm = " after an SFT warm start" if cfg.sft is not None else ""
+    lines = [
+        f"**{run_id}**: {algo.adv_estimator.upper()} (StarPO{'-S' if cfg.rollout.filter_ratio < 1 else ''}) "
+        f"on {', '.join(cfg.train.tags)} with {model}{warm}, {last} of {cfg.trainer.iterations} iterations "
+        f"({sum(cfg.train.n_groups)} groups x {cfg.train.group_size} per iteration).",
+    ]
+    steps = [s for s in range(0, last + 1) if run.eval_metrics_file(s).exists()]
+    if steps:
+        first, end = (run.read_json(run.eval_metrics_file(s)) for s in (steps[0], steps[-1]))
+        for tag in dict.fromkeys(cfg.val.tags):
+            key = f"val-env/{tag}/success"
+            if key in first and key in end:
+                held_out = "" if tag in cfg.train.tags else " (held out)"
+                lines.append(
+                    f"- validation success on {tag}{held_out}: {first[key]:.3f} at step {steps[0]} -> "
+                    f"{end[key]:.3f} at step {steps[-1]}"
+                )
+    if best is not None:
+        lines.append(f"- best step: {best} (registered as `models:/{run_id}@best`)")
+    return "\n".join(lines)
 
 
 def git_commit() -> str:

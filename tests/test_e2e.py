@@ -405,7 +405,7 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             assert set(history(mlflow_url, run_id, "train/success")) == {1, 2}
 
             root = artifacts(mlflow_url, run_id)
-            assert {"config.yaml", "rollouts", "plots", "eval", "model"} <= set(root), sorted(root)
+            assert {"config.yaml", "rollouts", "plots", "eval", "overview.png"} <= set(root), sorted(root)
             for k in (1, 2):
                 parquet = artifacts(mlflow_url, run_id, f"rollouts/iter_{k:04d}")
                 assert f"rollouts/iter_{k:04d}/rollouts.parquet" in parquet, parquet
@@ -416,6 +416,34 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             q = urllib.parse.urlencode({"path": "config.yaml", "run_uuid": run_id})
             config_text = http(f"{mlflow_url}/get-artifact?{q}")
             assert "iterations: 2" in str(config_text), str(config_text)[:2000]
+
+            # the kept policies, registered under the run's name with the aliases best and final
+            q = urllib.parse.urlencode({"name": run_name, "alias": "best"})
+            best = http(f"{mlflow_url}/api/2.0/mlflow/registered-models/alias?{q}")["model_version"]
+            assert best["source"].startswith("models:/m-") and best["run_id"] == run_id, best
+
+            # episodes as traces, through MLflow's REST API (its Python client): iteration 2's train sample
+            from mlflow import MlflowClient
+
+            found_traces = MlflowClient(tracking_uri=mlflow_url).search_traces(
+                locations=[exp_id],
+                run_id=run_id,
+                filter_string="metadata.`ragen.iteration` = '2' AND metadata.`ragen.split` = 'train'",
+            )
+            assert found_traces, "no episode traces of iteration 2"
+            episode = found_traces[0]
+            turns = [sp for sp in episode.data.spans if sp.parent_id is not None]
+            assert turns and turns[0].name == "turn 1", [sp.name for sp in episode.data.spans]
+            assert {a.name for a in episode.info.assessments} >= {"score", "success", "filter_kept"}
+
+            # ---- 4b. Prefect's REST API: the flow run's artifacts (link to the MLflow run, progress)
+            arts = http(
+                f"{prefect_api}/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+            )
+            by_key = {a["key"]: a for a in arts}
+            link_key = "mlflow-" + re.sub(r"[^a-z0-9-]", "-", run_name.lower())
+            assert link_key in by_key and run_id in by_key[link_key]["data"], sorted(by_key)
+            assert by_key["progress-" + link_key.removeprefix("mlflow-")]["data"] == 100.0
 
             # ---- 5. the MLflow UI page of the run in headless Chromium
             t0 = time.monotonic()
@@ -435,6 +463,43 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             shot = tmp_path / "mlflow-run.png"
             chromium(browser, tmp_path / "chromium-shot", page, f"--screenshot={shot}", budget_ms=15_000)
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+            # the run's Traces tab lists the episodes; an episode's page shows its turns as a chat
+            dom = chromium(
+                browser,
+                tmp_path / "chromium-traces",
+                f"{mlflow_url}/#/experiments/{exp_id}/traces?selectedEvaluationId={episode.info.trace_id}",
+                "--dump-dom",
+                budget_ms=30_000,
+            )
+            (tmp_path / "traces-page.html").write_text(dom)
+            assert episode.info.trace_metadata["mlflow.trace.session"] in dom or "episode Bandit" in dom, (
+                f"the Traces page did not list the episodes; DOM in {tmp_path}"
+            )
+            assert "turn 1" in dom, f"the trace view did not show the episode's turns; DOM in {tmp_path}"
+            # the registered model's page shows its alias; Prefect's artifact page shows the link
+            dom = chromium(
+                browser,
+                tmp_path / "chromium-model",
+                f"{mlflow_url}/#/models/{run_name}",
+                "--dump-dom",
+                budget_ms=30_000,
+            )
+            (tmp_path / "model-page.html").write_text(dom)
+            assert run_name in dom and "best" in dom, (
+                f"the registered model page did not render; DOM in {tmp_path}"
+            )
+            prefect_ui = prefect_api.removesuffix("/api")
+            dom = chromium(
+                browser,
+                tmp_path / "chromium-artifact",
+                f"{prefect_ui}/artifacts/artifact/{by_key[link_key]['id']}",
+                "--dump-dom",
+                budget_ms=30_000,
+            )
+            (tmp_path / "prefect-artifact.html").write_text(dom)
+            assert f"/runs/{run_id}" in dom, (
+                f"Prefect's artifact page did not render the MLflow link; DOM in {tmp_path}"
+            )
             timings["chromium"] = time.monotonic() - t0
             timings["total"] = time.monotonic() - t_start
             print(f"\nMLflow run page screenshot: {shot}")

@@ -160,7 +160,8 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
     ]
     assert "val success" in lines[-1] and "ETA" in lines[0] and "ETA" not in lines[-1]
     run_id = json.loads((run / "run.json").read_text())["run_id"]
-    assert f"ragen evaluate {run_id} --tags Bandit" in out and f"ragen train --resume {run_id}" in out
+    assert f"ragen evaluate {run_id}" in out and f"ragen train --resume {run_id}" in out
+    assert f"ragen evaluate models:/{run_id}@best" in out and f"ragen show {run_id}" in out
     assert "#/experiments/" in out
 
 
@@ -184,6 +185,112 @@ def test_the_flow_run_links_its_mlflow_run_and_shows_progress(reference: tuple[P
     progress = arts[f"progress-{key}"]
     assert progress["type"] == "progress" and progress["data"] == 100.0
     assert progress["description"].startswith("iteration 3/3 | train success")
+
+
+def test_the_kept_policies_are_logged_models_registered_with_aliases(
+    reference: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final and the best policy are LoggedModels of the run with their step's metrics, versions
+    of the registered model named after the run, under the aliases ``final`` and ``best``; a
+    ``models:/`` URI resolves to the run's own folder, or, where the run is not, to downloaded files."""
+    from mlflow.tracking import MlflowClient
+
+    from ragen_core.logged_models import model_id_of, resolve_model_uri
+    from ragen_core.run_dir import RunDir
+    from ragen_core.tracking import Tracker, TrackingConfig
+
+    state, root = reference
+    run = RunDir(root)
+    info = run.info()
+    uri = f"sqlite:///{state.resolve() / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    best_step = int(client.get_run(info["mlflow_run_id"]).data.tags["ragen.best_step"])
+    for alias, step in (("final", 3), ("best", best_step)):
+        version = client.get_model_version_by_alias(info["run_id"], alias)
+        model = client.get_logged_model(model_id_of(version))
+        assert model.source_run_id == info["mlflow_run_id"] and model.tags["ragen.step"] == str(step)
+        linked = {m.key: m.value for m in model.metrics or []}
+        assert linked["val-env/success"] == pytest.approx(
+            run.read_json(run.eval_metrics_file(step))["val-env/success"]
+        )
+        files = {f.path for f in client.list_logged_model_artifacts(model.model_id)}
+        assert {"config.json", "model.safetensors"} <= files, files
+
+    # `ragen evaluate` of the registered best policy: an MLflow run nested under the training run,
+    # its metrics linked to the LoggedModel too
+    out = ragen(["evaluate", f"models:/{info['run_id']}@best", "--n", "4", "--max-new-tokens", "8"], state)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"nested under the training run {info['mlflow_run_id']}" in " ".join(out.stdout.split())
+    best = client.get_logged_model(model_id_of(client.get_model_version_by_alias(info["run_id"], "best")))
+    (evaluation,) = [
+        r
+        for r in client.search_runs(
+            [best.experiment_id], f"tags.mlflow.parentRunId = '{info['mlflow_run_id']}'"
+        )
+        if r.data.tags.get("ragen.model_id") == best.model_id
+    ]
+    assert evaluation.data.tags["ragen.evaluates"] == f"{info['run_id']}@best"
+    assert evaluation.info.run_id in {m.run_id for m in best.metrics or []}
+
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(state))
+    here = resolve_model_uri(
+        f"models:/{info['run_id']}@final", Tracker(TrackingConfig(tracking_uri=uri), state), tmp_path
+    )
+    assert here.folder == run.policy_after(3) and here.step == 3
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "elsewhere"))  # a machine without the run
+    there = resolve_model_uri(
+        f"models:/{info['run_id']}@final",
+        Tracker(TrackingConfig(tracking_uri=uri), state),
+        tmp_path / "cache",
+    )
+    assert there.folder != here.folder
+    for name in ("config.json", "model.safetensors"):
+        assert (there.folder / name).read_bytes() == (here.folder / name).read_bytes()
+
+
+def test_the_run_lists_its_environments_as_datasets_the_warm_start_curve_and_system_metrics(
+    reference: tuple[Path, Path],
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    state, run = reference
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
+    inputs = client.get_run(info["mlflow_run_id"]).inputs.dataset_inputs
+    by_context = {t.value: d.dataset for d in inputs for t in d.tags if t.key == "mlflow.data.context"}
+    assert set(by_context) == {"train", "validation"}
+    assert (
+        by_context["train"].name == "train: Bandit x4"
+        and by_context["validation"].name == "validation: Bandit x16"
+    )
+    profile = json.loads(by_context["validation"].profile)
+    assert (
+        profile["seeds"] == {"base": 123, "per_iteration": 16, "fixed": True} and profile["group_size"] == 1
+    )
+    curve = json.loads((run / "init_policy" / "sft_metrics.json").read_text())["loss_curve"]
+    history = client.get_metric_history(info["mlflow_run_id"], "sft/loss")
+    assert [(m.step, m.value) for m in history] == [(s, pytest.approx(v)) for s, v in curve] and curve
+    # MLflow's System metrics tab: sampled every 10 s while the run trained (about 30 s here)
+    metrics = client.get_run(info["mlflow_run_id"]).data.metrics
+    assert (
+        "system/cpu_utilization_percentage" in metrics and "system/system_memory_usage_megabytes" in metrics
+    )
+
+
+def test_the_run_page_says_what_ran_and_reached_and_shows_the_overview_first(
+    reference: tuple[Path, Path],
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    state, run = reference
+    info = json.loads((run / "run.json").read_text())
+    client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
+    note = client.get_run(info["mlflow_run_id"]).data.tags["mlflow.note.content"]
+    end = json.loads((run / "eval" / "step_0003.json").read_text())["val-env/Bandit/success"]
+    assert note.startswith(f"**{info['run_id']}**: GAE (StarPO-S) on Bandit") and "3 of 3 iterations" in note
+    assert f"-> {end:.3f} at step 3" in note and f"models:/{info['run_id']}@best" in note
+    top = {a.path for a in client.list_artifacts(info["mlflow_run_id"])}
+    assert "overview.png" in top and "plots" in top, top
 
 
 def test_iterations_are_numbered_alike_on_disk_in_parquet_and_in_mlflow(reference: tuple[Path, Path]) -> None:

@@ -208,3 +208,22 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
         assert {p.dtype for p in session.worker.model.parameters()} == {torch.bfloat16}
     finally:
         session.close()
+
+
+def test_validation_success_keeps_held_out_tags_apart() -> None:
+    """BanditTest (renamed arms) is the paper's generalisation test: averaged into the validation
+    success, it would blur both what was learned and how far it carries."""
+    from ragen_core.stages import held_out_apart
+
+    cfg = load_config(
+        overrides=[
+            "train.tags=[Bandit]",
+            "val.tags=[Bandit,BanditTest]",
+            "val.n_groups=[3,1]",
+            "val.group_size=2",
+        ]
+    )
+    env = {"Bandit/success": 1.0, "BanditTest/success": 0.0, "success": 0.75}
+    assert held_out_apart(cfg, env) == {"val-env/success": 1.0, "val-env/held-out/success": 0.0}
+    same = load_config(overrides=["train.tags=[Bandit]", "val.tags=[Bandit]", "val.n_groups=[4]"])
+    assert held_out_apart(same, {"Bandit/success": 0.5, "success": 0.5}) == {}

@@ -161,6 +161,7 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
     tr.log_transcripts(rows, step=1)
     tr.log_transcripts(rows, step=2)
     tr.log_transcripts(rows, step=2)  # re-logged on resume: the table does not grow
+    tr.log_text("<p>iteration 2</p>", "transcripts/iter_0002.html")
     paths = tr.log_plots(tmp_path / "plots", markers={"reward_std_collapse": 8})
     tr.end()
 
@@ -178,19 +179,20 @@ def test_artifacts_transcripts_and_plots(state_dir: Path, tmp_path: Path):
 
     c = client(state_dir)
     listed = lambda path=None: {a.path for a in c.list_artifacts(run_id, path)}  # noqa: E731
-    assert {"config.yaml", "iterations", "transcripts", "plots", "transcripts.json"} <= listed()
+    top = listed()
+    assert {"config.yaml", "iterations", "transcripts", "plots", "transcripts.json", "overview.png"} <= top
     assert listed("iterations/iter_0001") == {"iterations/iter_0001/rollouts.parquet"}
-    assert listed("transcripts") == {"transcripts/iter_0001.json", "transcripts/iter_0002.json"}
-    assert {f"plots/{n}" for n in names} == listed("plots")
-    local = Path(c.download_artifacts(run_id, "transcripts/iter_0002.json", str(tmp_path / "dl")))
+    assert listed("transcripts") == {"transcripts/iter_0002.html"}
+    assert {f"plots/{n}" for n in names - {"overview.png"}} == listed("plots")  # the overview is on top
+    local = Path(c.download_artifacts(run_id, "transcripts/iter_0002.html", str(tmp_path / "dl")))
+    assert local.read_text() == "<p>iteration 2</p>"
     import json
 
-    doc = json.loads(local.read_text())
-    assert doc["step"] == 2 and len(doc["rows"]) == 4  # transcripts_per_iteration
     table = json.loads(
         Path(c.download_artifacts(run_id, "transcripts.json", str(tmp_path / "dl2"))).read_text()
     )
-    assert len(table["data"]) == 8 and table["columns"][0] == "step"
+    assert len(table["data"]) == 8 and table["columns"][0] == "step"  # transcripts_per_iteration = 4
+    assert "messages" not in table["columns"]  # the table is for scanning; the pages hold the text
 
 
 def test_log_artifacts_off_uploads_nothing(state_dir: Path, tmp_path: Path):
@@ -372,3 +374,15 @@ def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPa
     template.write_bytes(b"not a database")
     assert [e[:2] for e in experiments(tmp_path / "c")] == [("0", "Default"), ("1", "mine")]
     assert template.is_file() and template.read_bytes()[:15] == b"SQLite format 3"  # rebuilt
+
+
+def test_the_experiment_opens_on_its_runs_in_the_mlflow_ui(state_dir: Path) -> None:
+    """Traces would make MLflow's UI open the experiment in its GenAI view; a training experiment is
+    created as model development."""
+    from ragen_core.tracking import EXPERIMENT_KIND_TAG
+
+    tr = make(state_dir, experiment="kind")
+    tr.start("r", {})
+    tr.end()
+    exp = client(state_dir).get_experiment_by_name("kind")
+    assert exp.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"

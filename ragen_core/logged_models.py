@@ -1,0 +1,202 @@
+"""A run's kept policies as MLflow models: a LoggedModel per kept step (the final policy and the best
+validated one), its metrics linked to it, and both registered under the run's id with the aliases
+``final`` and ``best``, so that ``ragen evaluate models:/<run id>@best`` and the MLflow UI's "Logged
+models" and "Models" pages reach them.
+
+A LoggedModel's files are the policy folder (a Hugging Face folder: weights, tokenizer, chat
+template) that the run directory holds; a step already logged (a resumed run ends on the same best
+step) reuses its model, recorded in ``run.json`` (``logged_models``). Reaching a model back from the
+registry (:func:`resolve_model_uri`) prefers that run directory and downloads only what is not on
+this machine. No MLflow import at module level: the tracker owns the store.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ragen_core.errors import RagenError
+from ragen_core.run_dir import RunDir, find_run
+from ragen_core.state_folder import locate_run
+from ragen_core.tracking import ITERATION_KEY, Tracker, metric_key
+
+#: The registry aliases of a run's kept policies.
+ALIASES = ("final", "best")
+#: Tags of every LoggedModel: which run and step it is (what ``resolve_model_uri`` reads).
+RUN_TAG, STEP_TAG = "ragen.run_id", "ragen.step"
+
+
+class ModelURIError(RagenError):
+    """A ``models:/`` URI that names no registered model, version or alias."""
+
+
+def step_metrics(run: RunDir, step: int) -> dict[str, float]:
+    """What the run measured of the policy after ``step`` iterations: the iteration's metrics (when
+    ``step`` > 0) and its validation (when it was validated)."""
+    out: dict[str, float] = {}
+    if step > 0 and run.metrics_file(step).exists():
+        out.update(run.read_json(run.metrics_file(step)))
+    if run.eval_metrics_file(step).exists():
+        out.update(run.read_json(run.eval_metrics_file(step)))
+    return {k: float(v) for k, v in out.items() if isinstance(v, int | float)}
+
+
+def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None]) -> dict[str, str]:
+    """Log each kept step (``{"final": 12, "best": 9}``) as a LoggedModel of the tracker's run (once per
+    step), link its metrics, register it under the run id and point the alias at it. Returns
+    ``{alias: model_id}``; nothing (and no error) when the tracker is offline or artifacts are off."""
+    if tracker.run_id is None or tracker.offline is not None or not tracker.cfg.log_artifacts:
+        return {}
+    from mlflow.entities import Metric
+
+    client, mlflow_run = tracker.client, tracker.run_id
+    info = run.info()
+    run_id = info["run_id"]
+    logged: dict[str, str] = dict(info.get("logged_models", {}))
+    experiment = client.get_run(mlflow_run).info.experiment_id
+    out: dict[str, str] = {}
+    try:
+        for alias, step in steps.items():
+            if step is None:
+                continue
+            model_id = logged.get(str(step))
+            if model_id is None:
+                model = client.create_logged_model(
+                    experiment,
+                    name=f"{run_id}-step-{step}",
+                    source_run_id=mlflow_run,
+                    tags={RUN_TAG: run_id, STEP_TAG: str(step)},
+                    params={"step": str(step), "policy_dir": str(run.policy_after(step))},
+                    model_type="transformers",
+                )
+                model_id = model.model_id
+                client.log_model_artifacts(model_id, str(run.policy_after(step)))
+                client.finalize_logged_model(model_id, "READY")
+                # The timestamp the step's metrics were logged with: MLflow keeps one row per (key,
+                # step, timestamp, value) in the run's history, so the run's curves get no second point
+                # while the model gets its own rows.
+                logged_at = {
+                    m.step: m.timestamp for m in client.get_metric_history(mlflow_run, ITERATION_KEY)
+                }
+                timestamp = logged_at.get(step, int(os.path.getmtime(run.policy_after(step)) * 1000))
+                metrics = [
+                    Metric(metric_key(k), v, timestamp, step, model_id=model_id)
+                    for k, v in sorted(step_metrics(run, step).items())
+                ]
+                if metrics:
+                    client.log_batch(mlflow_run, metrics=metrics)
+                logged[str(step)] = model_id
+                run.update_info(logged_models=logged)
+            out[alias] = model_id
+        if out:
+            _register(client, run_id, mlflow_run, out)
+    except Exception as e:  # a store that fails here takes the tracker offline, as every other call
+        tracker.go_offline(f"log the kept models of run {mlflow_run}", e)
+        return {}
+    return out
+
+
+def model_id_of(version: Any) -> str:
+    """The LoggedModel of a registered version: its source ``models:/<model id>`` (the SQL registry
+    keeps no ``model_id`` of its own)."""
+    return str(version.model_id or version.source.removeprefix("models:/"))
+
+
+_DEFAULT_URI_LOCK = threading.Lock()
+
+
+@contextmanager
+def _default_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's registry resolves a version's ``models:/<id>`` source (the source that links the
+    version to its LoggedModel) with ``MlflowClient()``, on the process's default tracking URI, not
+    on the calling client's. For that call the default is this store; before and after, it is what it
+    was (the environment variable included, which ``mlflow.set_tracking_uri`` also sets)."""
+    import mlflow
+
+    with _DEFAULT_URI_LOCK:
+        env = os.environ.get("MLFLOW_TRACKING_URI")
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(previous)
+            if env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = env
+
+
+def _register(client: Any, name: str, mlflow_run: str, models: dict[str, str]) -> None:
+    """One registered model per run (its id), a version per kept model, aliases on the versions."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description=f"policies kept by ragen-flow run {name}")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    versions = {model_id_of(v): v.version for v in client.search_model_versions(f"name='{name}'")}
+    for alias, model_id in models.items():
+        if model_id not in versions:
+            with _default_tracking_uri(client.tracking_uri):
+                versions[model_id] = client.create_model_version(
+                    name, source=f"models:/{model_id}", run_id=mlflow_run, model_id=model_id
+                ).version
+        client.set_registered_model_alias(name, alias, versions[model_id])
+
+
+@dataclass
+class ResolvedModel:
+    """Where a ``models:/`` URI's policy is on this machine, and what it came from."""
+
+    folder: Path
+    model_id: str
+    run_id: str
+    step: int
+    mlflow_run_id: str | None
+
+
+def resolve_model_uri(uri: str, tracker: Tracker, cache: Path) -> ResolvedModel:
+    """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> the policy folder: the training
+    run's own folder when it is on this machine, else the model's files downloaded into ``cache``."""
+    from mlflow.exceptions import MlflowException
+
+    rest = uri.removeprefix("models:/")
+    client = tracker.client
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        elif "/" in rest:
+            name, number = rest.rsplit("/", 1)
+            version = client.get_model_version(name, number)
+        else:
+            raise ModelURIError(f"{uri}: use models:/<name>@<alias> (e.g. @best) or models:/<name>/<version>")
+        model = client.get_logged_model(model_id_of(version))
+    except MlflowException as e:
+        raise ModelURIError(
+            f"{uri}: not in the MLflow registry at {tracker.tracking_uri} ({e.error_code}); "
+            "`ragen runs` lists runs, and each finished run registers its id with @best and @final"
+        ) from e
+    run_id, step = model.tags.get(RUN_TAG, ""), int(model.tags.get(STEP_TAG, "0"))
+    folder: Path | None = None
+    if run_id and locate_run(run_id) is not None:
+        folder = find_run(run_id).policy_after(step)
+    if folder is None or not (folder / "config.json").is_file():  # not on this machine: fetch the files
+        import mlflow.artifacts
+
+        target = cache / model.model_id
+        if not (target / "config.json").is_file():
+            got = mlflow.artifacts.download_artifacts(
+                artifact_uri=model.artifact_location, dst_path=str(target), tracking_uri=tracker.tracking_uri
+            )
+            if Path(got) != target and (Path(got) / "config.json").is_file():
+                target = Path(got)
+        folder = target
+    return ResolvedModel(folder, model.model_id, run_id, step, model.source_run_id)

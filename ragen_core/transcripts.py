@@ -1,0 +1,84 @@
+"""Sample transcripts of an iteration, for people: rows for MLflow's transcripts table and one HTML page
+per iteration (``transcripts/iter_XXXX.html``), where the conversation reads as it happened (line breaks
+kept, long lines wrapped) and each episode says whether the filter kept its group.
+
+The sample takes one episode per group, the kept groups first, so a handful of rows shows different
+initial states (seeds) and both sides of the filter's decision rather than one group's members.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from ragen_core.trajectory import read_trajectories
+
+
+def transcript_rows(path: Path, n: int, kept_rows: list[int] | None = None) -> list[dict[str, Any]]:
+    """Up to ``n`` episodes of a rollouts file, one per group (kept groups first, in file order), as
+    rows: tag, seed, group, filter decision (``kept``/``dropped``; empty without a filter), success,
+    score, turns, actions, the conversation after the system prompt as text, and its messages."""
+    trajectories = read_trajectories(path)
+    kept = set(kept_rows) if kept_rows is not None else None
+    first: dict[int, int] = {}
+    for i, t in enumerate(trajectories):
+        first.setdefault(t.group_id, i)
+    order = sorted(first.values(), key=lambda i: (kept is not None and i not in kept, i))
+    rows = []
+    for i in order[:n]:
+        t = trajectories[i]
+        rows.append(
+            {
+                "env_tag": t.env_tag,
+                "seed": t.seed,
+                "group_id": t.group_id,
+                "filter": "" if kept is None else ("kept" if i in kept else "dropped"),
+                "success": t.success,
+                "score": t.score,
+                "turns": t.turn_count,
+                "actions": t.actions,
+                "transcript": "\n".join(f"<{m['role']}> {m['content']}" for m in t.messages[1:]),
+                "messages": t.messages,
+            }
+        )
+    return rows
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; max-width: 70em; }
+.episode { border: 1px solid #ccc; border-radius: 6px; margin: 1em 0; padding: 0.5em 1em; }
+.msg { margin: 0.4em 0; padding: 0.4em 0.6em; border-radius: 4px; white-space: pre-wrap; font-family: monospace; }
+.system { background: #f4f4f4; } .user { background: #eef4ff; } .assistant { background: #effaef; }
+.role { font-weight: bold; font-family: system-ui, sans-serif; }
+.ok { color: #17692d; } .fail { color: #a11; } .dropped { color: #777; }
+"""
+
+
+def to_html(rows: list[dict[str, Any]], title: str) -> str:
+    """A self-contained HTML page of ``rows`` (:func:`transcript_rows`): every message verbatim."""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for r in rows:
+        outcome = "<span class='ok'>success</span>" if r["success"] else "<span class='fail'>failure</span>"
+        decision = {
+            "kept": "kept by the filter",
+            "dropped": "<span class='dropped'>dropped by the filter</span>",
+        }
+        parts.append(
+            "<div class='episode'><h2>"
+            f"{html.escape(str(r['env_tag']))}, seed {r['seed']}, group {r['group_id']}: {outcome}, "
+            f"score {r['score']:+.3f}, {r['turns']} turn(s)"
+            f"{', ' + decision[r['filter']] if r['filter'] else ''}</h2>"
+        )
+        for m in r["messages"]:
+            role = html.escape(m["role"])
+            parts.append(
+                f"<div class='msg {role}'><span class='role'>{role}</span>\n{html.escape(m['content'])}</div>"
+            )
+        parts.append("</div>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
