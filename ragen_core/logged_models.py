@@ -12,6 +12,7 @@ this machine. No MLflow import at module level: the tracker owns the store.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 from ragen_core.errors import RagenError
 from ragen_core.run_dir import RunDir, find_run
 from ragen_core.state_folder import locate_run
-from ragen_core.tracking import ITERATION_KEY, Tracker, metric_key
+from ragen_core.tracking import Tracker, metric_key
 
 #: The registry aliases of a run's kept policies.
 ALIASES = ("final", "best")
@@ -43,7 +44,8 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
         out.update(run.read_json(run.metrics_file(step)))
     if run.eval_metrics_file(step).exists():
         out.update(run.read_json(run.eval_metrics_file(step)))
-    return {k: float(v) for k, v in out.items() if isinstance(v, int | float)}
+    # finite numbers only, as the run logged them (``Tracker.log_iteration`` skips the rest)
+    return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
 def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None]) -> dict[str, str]:
@@ -77,16 +79,18 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
                 model_id = model.model_id
                 client.log_model_artifacts(model_id, str(run.policy_after(step)))
                 client.finalize_logged_model(model_id, "READY")
-                # The timestamp the step's metrics were logged with: MLflow keeps one row per (key,
-                # step, timestamp, value) in the run's history, so the run's curves get no second point
-                # while the model gets its own rows.
-                logged_at = {
-                    m.step: m.timestamp for m in client.get_metric_history(mlflow_run, ITERATION_KEY)
-                }
-                timestamp = logged_at.get(step, int(os.path.getmtime(run.policy_after(step)) * 1000))
+                values = step_metrics(run, step)
+                # The timestamp the step's metrics were logged with (one for all of them): MLflow keeps
+                # one row per (key, step, timestamp, value) in the run's history, so the run's curves
+                # get no second point while the model gets its own rows.
+                timestamp = int(os.path.getmtime(run.policy_after(step)) * 1000)
+                if values:
+                    key = metric_key(min(values))
+                    logged_at = {m.step: m.timestamp for m in client.get_metric_history(mlflow_run, key)}
+                    timestamp = logged_at.get(step, timestamp)
                 metrics = [
                     Metric(metric_key(k), v, timestamp, step, model_id=model_id)
-                    for k, v in sorted(step_metrics(run, step).items())
+                    for k, v in sorted(values.items())
                 ]
                 if metrics:
                     client.log_batch(mlflow_run, metrics=metrics)

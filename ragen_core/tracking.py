@@ -20,17 +20,18 @@ What a run holds:
   present are skipped; a key whose value changed is *not* re-logged (MLflow forbids changing a
   param) and is listed in the tag ``ragen.resume.changed_params``.
 * metrics -- ``log_iteration(step, metrics)``: one ``log_batch`` per iteration (chunks of 1,000
-  if larger) with every finite metric at ``step`` plus the marker metric ``iteration = step``,
-  sent last. A step that already has the marker is not logged again (returns False), so a resumed
-  run never double-logs. Non-finite values (NaN, inf, None) are skipped and counted in
-  ``tracking/skipped_nonfinite`` (MLflow itself would store NaN and clamp inf to 1.8e308, which
-  spoils the plots). Characters MLflow refuses in names are replaced (``metric_key``:
-  ``pass@16`` -> ``pass_at_16``).
-* artifacts -- files and folders (``log_artifact(s)``), sample transcripts per iteration
-  (``transcripts/iter_XXXX.json``, plus one table ``transcripts.json`` appended with
-  ``log_table`` for the UI's table view; one table path only, because ``log_table`` lists every
-  table in a tag whose length is limited), and paper-style plots (``log_plots``: PNG under
-  ``plots/``).
+  if larger) with every finite metric at ``step``; the last chunk also sets the run tag
+  ``ragen.logged_steps`` (the steps logged so far, as ranges: ``0-12,14``), so a step is marked only
+  once all its metrics are in. A marked step is not logged again (returns False), so a resumed run
+  never double-logs. The iteration is the step axis, never a metric (runs logged before 2026-12-02
+  marked steps with a metric ``iteration``, still read on resume). Non-finite values (NaN, inf,
+  None) are skipped and counted in ``tracking/skipped_nonfinite`` (MLflow itself would store NaN
+  and clamp inf to 1.8e308, which spoils the plots). Characters MLflow refuses in names are
+  replaced (``metric_key``: ``pass@16`` -> ``pass_at_16``).
+* artifacts -- files and folders (``log_artifact(s)``), text (``log_text``: the transcripts page of
+  each iteration), one table ``transcripts.json`` appended with ``log_table`` for the UI's table
+  view (one table path only, because ``log_table`` lists every table in a tag whose length is
+  limited), and paper-style plots (``log_plots``: PNG under ``plots/``, the overview on top).
 * traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.episode_traces``): a
   sample of each iteration's train rollouts and every validation episode of the final step, one chat
   span per turn, the score, success and filter decision as feedback; sent to this store's trace API
@@ -90,7 +91,9 @@ MAX_PARAM_VALUE_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 LOCAL_UI_URL = "http://127.0.0.1:5000"
 MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
-ITERATION_KEY = "iteration"
+ITERATION_KEY = "iteration"  # the step marker metric of runs logged before 2026-12-02 (read on resume)
+#: The run tag listing the steps whose metrics are all logged (``0-12,14``).
+LOGGED_STEPS_TAG = "ragen.logged_steps"
 #: The experiment tag that picks the MLflow UI's view of an experiment (model training or GenAI).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 SKIPPED_KEY = "tracking/skipped_nonfinite"
@@ -178,6 +181,26 @@ def resolve_tracking_uri(cfg: TrackingConfig, state_dir: str | os.PathLike[str])
 
 
 _BAD_CHARS = re.compile(r"[^/\w.\- :]")
+
+
+def format_steps(steps: Iterable[int]) -> str:
+    """``{0, 1, 2, 3, 5}`` -> ``"0-3,5"`` (what the ``ragen.logged_steps`` tag holds)."""
+    out: list[list[int]] = []
+    for k in sorted(set(steps)):
+        if out and k == out[-1][1] + 1:
+            out[-1][1] = k
+        else:
+            out.append([k, k])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def parse_steps(text: str) -> set[int]:
+    """The inverse of :func:`format_steps`."""
+    steps: set[int] = set()
+    for part in filter(None, text.split(",")):
+        a, _, b = part.partition("-")
+        steps.update(range(int(a), int(b or a) + 1))
+    return steps
 
 
 def metric_key(name: str) -> str:
@@ -531,7 +554,7 @@ class Tracker:
                     ) from None
                 existing = dict(run.data.params)
                 self.client.update_run(run_id, status="RUNNING")
-                self._logged_steps = {
+                self._logged_steps = parse_steps(run.data.tags.get(LOGGED_STEPS_TAG, "")) | {
                     int(m.step) for m in self.client.get_metric_history(run_id, ITERATION_KEY)
                 }
                 t = run.data.tags.get(TABLE_STEP_TAG)
@@ -603,7 +626,7 @@ class Tracker:
     def log_iteration(self, step: int, metrics: Mapping[str, Any]) -> bool:
         """Log one iteration's metrics at ``step`` in one ``log_batch``; False (and nothing logged)
         when this run already has iteration ``step``."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         run_id = self._require_run()
         step = int(step)
@@ -628,12 +651,14 @@ class Tracker:
                 skipped.append(name)
         if skipped:
             values[SKIPPED_KEY] = float(len(skipped))
-        values.pop(ITERATION_KEY, None)
+        values.pop(ITERATION_KEY, None)  # the step is the iteration
         batch = [Metric(k, v, ts, step) for k, v in values.items()]
-        batch.append(Metric(ITERATION_KEY, float(step), ts, step))  # the marker goes last
+        marker = RunTag(LOGGED_STEPS_TAG, format_steps(self._logged_steps | {step}))
+        chunks = list(_chunks(batch, MAX_METRICS_PER_BATCH)) or [[]]
         try:
-            for chunk in _chunks(batch, MAX_METRICS_PER_BATCH):
-                self.client.log_batch(run_id, metrics=chunk, synchronous=True)
+            for i, chunk in enumerate(chunks):  # the marker goes with the last chunk
+                tags = [marker] if i == len(chunks) - 1 else []
+                self.client.log_batch(run_id, metrics=chunk, tags=tags, synchronous=True)
         except Exception as e:
             # Not marked as logged: the iteration's metrics.json stays the source, re-logged on resume.
             self._go_offline(f"log iteration {step} of run {run_id}", e)
@@ -645,7 +670,7 @@ class Tracker:
 
     @property
     def logged_steps(self) -> set[int]:
-        """Iterations this run already has (its ``iteration`` marker)."""
+        """Iterations this run already has (its ``ragen.logged_steps`` tag)."""
         return set(self._logged_steps)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

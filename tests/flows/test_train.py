@@ -122,7 +122,9 @@ def mlflow_steps(state: Path, run: Path) -> list[int]:
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
     run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
-    return sorted(m.step for m in client.get_metric_history(run_id, "iteration"))
+    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+
+    return sorted(parse_steps(client.get_run(run_id).data.tags[LOGGED_STEPS_TAG]))
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +280,7 @@ def test_the_run_lists_its_environments_as_datasets_the_warm_start_curve_and_sys
 
 
 def test_the_run_page_says_what_ran_and_reached_and_shows_the_overview_first(
-    reference: tuple[Path, Path],
+    reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -291,6 +293,11 @@ def test_the_run_page_says_what_ran_and_reached_and_shows_the_overview_first(
     assert f"-> {end:.3f} at step 3" in note and f"models:/{info['run_id']}@best" in note
     top = {a.path for a in client.list_artifacts(info["mlflow_run_id"])}
     assert "overview.png" in top and "plots" in top, top
+    # the filter's decisions beside the rollouts they judge, and a readable page per iteration
+    listed = {a.path for a in client.list_artifacts(info["mlflow_run_id"], "rollouts/iter_0003")}
+    assert listed == {"rollouts/iter_0003/rollouts.parquet", "rollouts/iter_0003/filter.json"}, listed
+    page = Path(client.download_artifacts(info["mlflow_run_id"], "transcripts/iter_0003.html", str(tmp_path)))
+    assert "kept by the filter" in page.read_text() and "dropped by the filter" in page.read_text()
 
 
 def test_iterations_are_numbered_alike_on_disk_in_parquet_and_in_mlflow(reference: tuple[Path, Path]) -> None:

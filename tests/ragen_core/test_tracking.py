@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from ragen_core.tracking import (
     CHANGED_PARAMS_TAG,
     ITERATION_KEY,
+    LOGGED_STEPS_TAG,
     PARENT_TAG,
     SKIPPED_KEY,
     BackgroundLog,
@@ -21,7 +22,9 @@ from ragen_core.tracking import (
     TrackingConfig,
     TrackingError,
     flatten_params,
+    format_steps,
     metric_key,
+    parse_steps,
     resolve_tracking_uri,
 )
 
@@ -110,7 +113,8 @@ def test_params_metrics_and_idempotent_resume(state_dir: Path, tmp_path: Path):
         "train/Bandit/success": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4)],
         "train/Bandit/pass@4": [(0, 0.5)],
     }
-    assert [m.step for m in c.get_metric_history(run_id, ITERATION_KEY)] == [0, 1, 2, 3]
+    assert parse_steps(c.get_run(run_id).data.tags[LOGGED_STEPS_TAG]) == {0, 1, 2, 3}
+    assert c.get_metric_history(run_id, ITERATION_KEY) == []  # the iteration is the step, not a metric
     tr2.end()
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -258,7 +262,7 @@ def test_failed_log_batch_takes_the_tracker_offline_and_resume_relogs(
     again.start("flaky", {}, run_id=run_id)
     assert [again.log_iteration(k, {"a": float(k)}) for k in (4, 5, 6)] == [False, True, True]
     again.end()
-    assert sorted(m.step for m in c.get_metric_history(run_id, ITERATION_KEY)) == [4, 5, 6]
+    assert parse_steps(c.get_run(run_id).data.tags[LOGGED_STEPS_TAG]) == {4, 5, 6}
     assert c.get_run(run_id).info.status == "FINISHED" and again.offline_message("r1", state_dir) is None
 
     bad = make(state_dir)  # caller bugs still raise (they are not store failures)
@@ -386,3 +390,26 @@ def test_the_experiment_opens_on_its_runs_in_the_mlflow_ui(state_dir: Path) -> N
     tr.end()
     exp = client(state_dir).get_experiment_by_name("kind")
     assert exp.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"
+
+
+def test_logged_steps_are_written_as_ranges_and_read_back() -> None:
+    for steps in (set(), {0}, {0, 1, 2, 3, 5}, {2, 4, 6}, set(range(200)) - {17}):
+        assert parse_steps(format_steps(steps)) == steps
+    assert format_steps({0, 1, 2, 3, 5, 7, 8}) == "0-3,5,7-8"
+
+
+def test_a_run_logged_with_the_old_iteration_marker_resumes_without_relogging(state_dir: Path) -> None:
+    """Runs logged before the marker became a tag have a metric ``iteration`` per logged step."""
+    from mlflow.entities import Metric
+
+    tr = make(state_dir)
+    run_id = tr.start("old", {})
+    c = client(state_dir)
+    c.log_batch(run_id, metrics=[Metric(ITERATION_KEY, float(k), 1, k) for k in (0, 1)], synchronous=True)
+    tr.end()
+    again = make(state_dir)
+    again.start("old", {}, run_id=run_id)
+    assert again.logged_steps == {0, 1}
+    assert [again.log_iteration(k, {"a": 1.0}) for k in (1, 2)] == [False, True]
+    again.end()
+    assert parse_steps(c.get_run(run_id).data.tags[LOGGED_STEPS_TAG]) == {0, 1, 2}

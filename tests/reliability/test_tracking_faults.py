@@ -113,7 +113,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             kill_group(s.proc)
 
 
-def steps(client: MlflowClient, run_id: str, key: str = "iteration") -> list[int]:
+def steps(client: MlflowClient, run_id: str, key: str | None = None) -> list[int]:
+    """The steps of metric ``key`` (each point, duplicates kept), or with no key the steps the run
+    marks as completely logged (its ``ragen.logged_steps`` tag)."""
+    if key is None:
+        from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+
+        return sorted(parse_steps(client.get_run(run_id).data.tags.get(LOGGED_STEPS_TAG, "")))
     return sorted(int(m.step) for m in client.get_metric_history(run_id, key))
 
 
