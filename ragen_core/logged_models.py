@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,12 @@ RUN_TAG, STEP_TAG = "ragen.run_id", "ragen.step"
 
 class ModelURIError(RagenError):
     """A ``models:/`` URI that names no registered model, version or alias."""
+
+
+def logged_model_name(run_id: str, step: int) -> str:
+    """``<run id>-step-<k>``, with the characters MLflow refuses in a LoggedModel's name (``.``, which
+    sweep members' run ids have, ``/ : % " '``) as ``-``. The registered model keeps the run id."""
+    return re.sub(r"[/:.%\"']", "-", f"{run_id}-step-{step}")
 
 
 def step_metrics(run: RunDir, step: int) -> dict[str, float]:
@@ -70,7 +77,7 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
             if model_id is None:
                 model = client.create_logged_model(
                     experiment,
-                    name=f"{run_id}-step-{step}",
+                    name=logged_model_name(run_id, step),
                     source_run_id=mlflow_run,
                     tags={RUN_TAG: run_id, STEP_TAG: str(step)},
                     params={"step": str(step), "policy_dir": str(run.policy_after(step))},

@@ -39,7 +39,15 @@ from ragen_core.sweep.tags import (
     SEED_TAG,
     SWEEP_TAG,
 )
-from ragen_core.tracking import ITERATION_KEY, PARENT_TAG, Tracker, TrackingConfig, metric_key
+from ragen_core.tracking import (
+    ITERATION_KEY,
+    LOGGED_STEPS_TAG,
+    PARENT_TAG,
+    Tracker,
+    TrackingConfig,
+    metric_key,
+    parse_steps,
+)
 
 #: training statistics drawn for every group besides the compared metrics (the paper's figures)
 CURVE_KEYS = ["rollout/in_group_std", "actor/entropy", "actor/grad_norm", "response_length/mean"]
@@ -334,7 +342,8 @@ def build_report(
         status = run.info.status
         sigs = detect(hist, monitor_from_params(run.data.params, monitor)) if hist else []
         start, end = run.info.start_time, run.info.end_time
-        iters = hist.get(ITERATION_KEY)
+        # the steps the run marks as logged (older runs: their marker metric)
+        iters = parse_steps(tags.get(LOGGED_STEPS_TAG, "")) | {s for s, _ in hist.get(ITERATION_KEY, [])}
         tokens = hist.get(TOKENS_KEY)
         members.append(
             MemberResult(
@@ -346,7 +355,7 @@ def build_report(
                 mlflow_run_id=run.info.run_id,
                 run_id=tags.get("ragen.run_id"),
                 overrides=json.loads(tags[OVERRIDES_TAG]) if tags.get(OVERRIDES_TAG) else [],
-                iterations=int(max(s for s, _ in iters)) if iters else None,
+                iterations=max(iters) if iters else None,
                 metrics={k: s for k in keys if (s := summarize_series(hist.get(k, []))) is not None},
                 collapse_step=min((s.step for s in sigs), default=None),
                 signals=[f"{s.name}@{s.step}" for s in sorted(sigs, key=lambda s: (s.step, s.name))],

@@ -265,6 +265,8 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
         child.data.params["trainer.seed"] == "0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
     )
     assert run.info()["mlflow_run_id"] == ok["mlflow_run_id"]
+    # a member's run id has a dot (<sweep>.<member>), which MLflow refuses in LoggedModel names only
+    assert client.get_model_version_by_alias(run.info()["run_id"], "final").run_id == ok["mlflow_run_id"]
 
     # the report regenerates from MLflow alone
     again = ragen(
