@@ -165,8 +165,11 @@ def instrument(clock: Clock) -> None:
     clock.wrap(prefect.results.ResultStore, "read", "cache lookups")
     clock.wrap(tracking.Tracker, "log_iteration", "log_iteration (log_batch)")
     clock.wrap(tracking.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
-    clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet + json + log_table)")
-    clock.wrap(training, "transcripts", "transcripts (read Parquet + json + log_table)")
+    clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracking.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(training, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracking.Tracker, "log_episode_traces", "episode traces")
+    clock.wrap(training, "log_kept_models", "logged models (once, at the end)")
 
 
 class ServerCPU:
