@@ -100,22 +100,12 @@ def handmade(tmp_path_factory) -> Path:
 def real(tmp_path_factory) -> Path:
     """Trajectories from run_rollouts with a tiny model: 2 groups x 2, 2 turns, few tokens."""
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-    from ragen_core.models import ModelConfig, build_tiny_policy
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import run_rollouts
+    from tests.tiny_policy import smallest_policy
 
-    model, tok = build_tiny_policy(
-        ModelConfig(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            corpus_seeds=2,
-            seed=1,
-        )
-    )
+    model, tok = smallest_policy()
     groups = EnvGroups(
         EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[2], group_size=2), ProtocolConfig(max_turn=2)
     )

@@ -57,19 +57,10 @@ def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(t
 def test_evaluate_plays_tags_with_different_budgets_on_one_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+    from ragen_core.models import save_policy
+    from tests.tiny_policy import smallest_policy
 
-    model, tok = build_tiny_policy(
-        ModelConfig(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            corpus_seeds=2,
-            seed=1,
-        )
-    )
+    model, tok = smallest_policy()
     folder = save_policy(model, tok, tmp_path / "model")
     request = EvaluateRequest(
         policy=str(folder),

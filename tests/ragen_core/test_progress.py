@@ -54,22 +54,12 @@ def test_long_rollouts_report_progress_and_short_ones_stay_quiet(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-    from ragen_core.models import ModelConfig, build_tiny_policy
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout import runner
     from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from tests.tiny_policy import smallest_policy
 
-    model, tok = build_tiny_policy(
-        ModelConfig(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            corpus_seeds=2,
-            seed=1,
-        )
-    )
+    model, tok = smallest_policy()
 
     def play() -> None:
         groups = EnvGroups(

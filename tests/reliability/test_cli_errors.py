@@ -269,23 +269,14 @@ def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_a
     import re
 
     from ragen_core.config import dump_config, load_config
-    from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+    from ragen_core.models import save_policy
     from ragen_core.run_dir import RunDir
     from tests.prefect_server import prefect_api
+    from tests.tiny_policy import smallest_policy
 
     run = RunDir(tmp_path / "runs" / "bandit-tiny-0123abcd-ef4567")
     dump_config(load_config(CONFIG, ["val.tags=[Bandit,BanditTest]", "val.n_groups=[4,4]"]), run.config_path)
-    model, tok = build_tiny_policy(
-        ModelConfig(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            corpus_seeds=2,
-            seed=1,
-        )
-    )
+    model, tok = smallest_policy()
     save_policy(model, tok, run.init_policy)
     out = ragen(["evaluate", run.root.name, "--n", "2", "--max-new-tokens", "4"], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
