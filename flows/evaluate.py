@@ -303,19 +303,12 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
 
 
 def link_metrics(tracker: Any, model_id: str, metrics: dict[str, float]) -> None:
-    """Log ``metrics`` (step 0) once more, linked to the LoggedModel ``model_id``."""
-    import math
+    """The evaluation's metrics (step 0) linked to the LoggedModel it evaluated; a failing store takes the
+    tracker offline, as its own calls do."""
+    from ragen_core.logged_models import link_metrics as link
 
-    from mlflow.entities import Metric
-
-    from ragen_core.tracking import metric_key
-
-    now = int(time.time() * 1000)
-    batch = [
-        Metric(metric_key(k), v, now, 0, model_id=model_id) for k, v in metrics.items() if math.isfinite(v)
-    ]
     try:
-        tracker.client.log_batch(tracker.run_id, metrics=batch)
+        link(tracker.client, tracker.run_id, model_id, metrics, 0, int(time.time() * 1000))
     except Exception as e:
         tracker.go_offline(f"link the evaluation to model {model_id}", e)
 

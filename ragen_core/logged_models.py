@@ -16,7 +16,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,6 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
     ``{alias: model_id}``; nothing (and no error) when the tracker is offline or artifacts are off."""
     if tracker.run_id is None or tracker.offline is not None or not tracker.cfg.log_artifacts:
         return {}
-    from mlflow.entities import Metric
 
     client, mlflow_run = tracker.client, tracker.run_id
     info = run.info()
@@ -86,21 +85,8 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
                 model_id = model.model_id
                 client.log_model_artifacts(model_id, str(run.policy_after(step)))
                 client.finalize_logged_model(model_id, "READY")
-                values = step_metrics(run, step)
-                # The timestamp the step's metrics were logged with (one for all of them): MLflow keeps
-                # one row per (key, step, timestamp, value) in the run's history, so the run's curves
-                # get no second point while the model gets its own rows.
-                timestamp = int(os.path.getmtime(run.policy_after(step)) * 1000)
-                if values:
-                    key = metric_key(min(values))
-                    logged_at = {m.step: m.timestamp for m in client.get_metric_history(mlflow_run, key)}
-                    timestamp = logged_at.get(step, timestamp)
-                metrics = [
-                    Metric(metric_key(k), v, timestamp, step, model_id=model_id)
-                    for k, v in sorted(values.items())
-                ]
-                if metrics:
-                    client.log_batch(mlflow_run, metrics=metrics)
+                default = int(os.path.getmtime(run.policy_after(step)) * 1000)
+                link_metrics(client, mlflow_run, model_id, step_metrics(run, step), step, default)
                 logged[str(step)] = model_id
                 run.update_info(logged_models=logged)
             out[alias] = model_id
@@ -141,6 +127,27 @@ def _default_tracking_uri(uri: str) -> Iterator[None]:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = env
+
+
+def link_metrics(
+    client: Any, mlflow_run: str, model_id: str, values: Mapping[str, float], step: int, default_ts: int
+) -> None:
+    """Link ``values``, which ``mlflow_run`` logged at ``step``, to the LoggedModel ``model_id``.
+
+    They are sent again with the timestamp the step was logged with (one for all its metrics; else
+    ``default_ts``): MLflow keeps one row per (key, step, timestamp, value) in a run's history, so the
+    run's curves get no second point while the model gets its own rows."""
+    from mlflow.entities import Metric
+
+    finite = {k: v for k, v in values.items() if math.isfinite(v)}
+    if not finite:
+        return
+    history = client.get_metric_history(mlflow_run, metric_key(min(finite)))
+    timestamp = {m.step: m.timestamp for m in history}.get(step, default_ts)
+    metrics = [
+        Metric(metric_key(k), v, timestamp, step, model_id=model_id) for k, v in sorted(finite.items())
+    ]
+    client.log_batch(mlflow_run, metrics=metrics)
 
 
 def _register(client: Any, name: str, mlflow_run: str, models: dict[str, str]) -> None:

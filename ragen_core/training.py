@@ -341,24 +341,12 @@ class Training:
                     )
                 # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
                 tracker.log_transcripts(rows, k, append_table=k == cfg.trainer.iterations)
+                tracker.log_episode_traces(run.rollouts(k), k, kept)  # a sample, as MLflow traces
             if run.eval_file(k).exists():
                 tracker.log_artifact(run.eval_file(k), "eval")
-            # Episodes as MLflow traces: a sample of the train rollouts; every validation episode at the end.
-            for path, kept in traced_files(run, k, final=k == cfg.trainer.iterations):
-                tracker.log_episode_traces(path, k, kept)
+                if k == cfg.trainer.iterations:  # every validation episode of the final step as a trace
+                    tracker.log_episode_traces(run.eval_file(k), k, None)
         tracker.log_iteration(k, dict(metrics))
-
-
-def traced_files(run: RunDir, k: int, final: bool) -> list[tuple[Path, list[int] | None]]:
-    """The trajectory files whose episodes step ``k`` logs as MLflow traces, each with the filter's kept
-    rows (train) or None: iteration ``k``'s rollouts (``k > 0``), and its evaluation if it is ``final``."""
-    out: list[tuple[Path, list[int] | None]] = []
-    if k > 0 and run.rollouts(k).exists():
-        f = run.filter_file(k)
-        out.append((run.rollouts(k), list(run.read_json(f)["kept_rows"]) if f.exists() else None))
-    if final and run.eval_file(k).exists():
-        out.append((run.eval_file(k), None))
-    return out
 
 
 def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best: int | None) -> str:
