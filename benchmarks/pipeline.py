@@ -53,6 +53,7 @@ import argparse
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -117,6 +118,7 @@ SHARED = "library work (both sides)"
 PIPE = "pipeline storage (flow only)"
 PREFECT = "Prefect (flow only)"
 MLFLOW = "MLflow (flow only)"
+LOOP = "loop bookkeeping (flow only)"
 LABELS = [
     (SHARED, "worker rollout"),
     (SHARED, "learner step"),
@@ -134,6 +136,11 @@ LABELS = [
     (MLFLOW, "log_iteration (log_batch)"),
     (MLFLOW, "artifact upload (rollouts/eval Parquet)"),
     (MLFLOW, "transcripts (read Parquet + json + log_table)"),
+    (LOOP, "finish_iteration (metrics.json, sums, DONE)"),
+    (LOOP, "Echo-Trap monitor"),
+    (LOOP, "run-logger INFO lines (console + Prefect API handler)"),
+    (LOOP, "Prefect progress artifact"),
+    (LOOP, "background queue submit"),
 ]
 
 
@@ -170,6 +177,14 @@ def instrument(clock: Clock) -> None:
     clock.wrap(training, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
     clock.wrap(tracking.Tracker, "log_episode_traces", "episode traces")
     clock.wrap(training, "log_kept_models", "logged models (once, at the end)")
+    import flows.reporting
+    import flows.train
+
+    clock.wrap(flows.train, "finish_iteration", "finish_iteration (metrics.json, sums, DONE)")
+    clock.wrap(training.EchoTrapMonitor, "update", "Echo-Trap monitor")
+    clock.wrap(logging.LoggerAdapter, "info", "run-logger INFO lines (console + Prefect API handler)")
+    clock.wrap(flows.reporting.PrefectObserver, "iteration_done", "Prefect progress artifact")
+    clock.wrap(training.BackgroundLog, "submit", "background queue submit")
 
 
 class ServerCPU:
@@ -291,6 +306,7 @@ class Plain:
         self.cfg, self.run_id = cfg, run.info()["run_id"]
         self.times: dict[int, float] = {}
         self.cpu: dict[int, tuple[float, float]] = {}
+        self.main_cpu: dict[int, float] = {}
         self.parts: dict[str, float] = defaultdict(float)
         self.checks: dict[int, tuple[float, int]] = {}
 
@@ -304,6 +320,7 @@ class Plain:
 
         cfg, s = self.cfg, self.session
         c0 = cpu_now()
+        m0 = time.thread_time()
         t0 = time.perf_counter()
         table, _env_metrics = s.call_worker(
             "rollout", "train", k - 1, k, sampling_params(cfg, "train"), cfg.trainer.seed, self.run_id
@@ -323,6 +340,7 @@ class Plain:
             s.call_worker("rollout", "val", 0, k, sampling_params(cfg, "val"), cfg.trainer.seed, self.run_id)
         t5 = time.perf_counter()
         c1 = cpu_now()
+        self.main_cpu[k] = time.thread_time() - m0
         self.times[k] = t5 - t0
         self.cpu[k] = (c1[0] - c0[0], c1[1] - c0[1])
         if k > 1:
@@ -355,9 +373,11 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
     flow_times: dict[int, float] = {}
     flow_cpu0: dict[int, tuple[float, float]] = {}
     flow_cpu: dict[int, tuple[float, float]] = {}
+    flow_main0: dict[int, float] = {}
+    flow_main: dict[int, float] = {}
     per_iter_parts: dict[int, dict[str, float]] = {}
     session_s: list[float] = []
-    state = {"open": 0, "deferred": 0}
+    state = {"open": 0, "deferred": 0, "counting": 0}
     prof = None
     if profile:
         import cProfile
@@ -366,11 +386,27 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
 
     backgrounds: list[Any] = []
     drains: dict[int, float] = {}
+    background_cpu: dict[str, float] = defaultdict(float)
 
     class RecordedBackground(training.BackgroundLog):  # type: ignore[misc, name-defined]
+        """Also adds up the CPU time its thread spends on each kind of call (time.thread_time)."""
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             backgrounds.append(self)
+
+        def submit(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+            name = getattr(fn, "__name__", type(fn).__name__)
+
+            def timed(*a: Any, **kw: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    if state["counting"]:
+                        background_cpu[name] += time.thread_time() - t0
+
+            super().submit(timed, *args, **kwargs)
 
     def close_open(now: float, plain_next: bool = False) -> None:
         k = state["open"]
@@ -386,6 +422,7 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
                 now = time.perf_counter()
             flow_times[k] = now - flow_start[k]
             c = cpu_now()
+            flow_main[k] = time.thread_time() - flow_main0[k]
             flow_cpu[k] = (c[0] - flow_cpu0[k][0], c[1] - flow_cpu0[k][1])
             if prof is not None and k > 1:
                 prof.disable()
@@ -411,11 +448,13 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         else:
             state["deferred"] = k
         state["open"] = k
+        state["counting"] = int(k > 1)
         clock.reset()
         clock.active = True
         if prof is not None and k > 1:
             prof.enable()
         flow_cpu0[k] = cpu_now()
+        flow_main0[k] = time.thread_time()
         flow_start[k] = time.perf_counter()
         return real_iteration(run_root, k)
 
@@ -477,10 +516,13 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         "plain": dict(plain.times),
         "flow_cpu": flow_cpu,
         "plain_cpu": dict(plain.cpu),
+        "flow_main_cpu": flow_main,
+        "plain_main_cpu": dict(plain.main_cpu),
         "parts": per_iter_parts,
         "plain_parts": dict(plain.parts),
         "mismatches": mismatches,
         "drains": drains,
+        "background_cpu": dict(background_cpu),
         "startup": {
             "plain Session construction" + (" (starts Ray)" if backend == "ray" else ""): plain.start_s,
             "flow: Prefect start + flow run creation (call -> flow body)": marks["flow_body"] - marks["call"],
@@ -534,6 +576,12 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
             f"(server {sum(pcpu[k][1] for k in steady) / len(steady):.3f}); median ratio "
             f"{statistics.median(cpu_ratios):.3f}, totals ratio {cpu_f / cpu_p:.3f}"
         )
+    fm, pm = res["flow_main_cpu"], res["plain_main_cpu"]
+    print(
+        f"main-thread CPU time, iterations 2..{n} (moves least with the machine's load): flow "
+        f"{statistics.median(fm[k] for k in steady):.3f} s, plain {statistics.median(pm[k] for k in steady):.3f} s "
+        f"(medians); median ratio {statistics.median(fm[k] / pm[k] for k in steady):.3f}"
+    )
     drained = [res["drains"][k] for k in steady if k in res["drains"]]
     if drained:
         print(
@@ -568,7 +616,7 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
         f"flow {1000 * flow_mean:.0f} ms, plain {1000 * tot_p / m:.0f} ms):"
     )
     attributed = 0.0
-    for group in (SHARED, PIPE, PREFECT, MLFLOW):
+    for group in (SHARED, PIPE, PREFECT, MLFLOW, LOOP):
         labels = [lab for g, lab in LABELS if g == group]
         gsum = sum(totals.get(lab, 0.0) for lab in labels)
         attributed += gsum
@@ -576,7 +624,16 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
         for lab in labels:
             if lab in totals:
                 print(f"    {lab:<56} {1000 * totals[lab]:8.1f}")
+    drain = sum(res["drains"].get(k, 0.0) for k in steady) / m
+    attributed += drain
+    print(f"  {'waiting for the background MLflow thread (charged, above)':<58} {1000 * drain:8.1f}")
     rest = flow_mean - attributed
+    bg = res["background_cpu"]
+    print(
+        f"  (background logging thread, CPU ms per iteration: {1000 * sum(bg.values()) / m:.1f}; "
+        + ", ".join(f"{name} {1000 * v / m:.1f}" for name, v in sorted(bg.items(), key=lambda kv: -kv[1]))
+        + ")"
+    )
     print(f"  {'Prefect task/subflow engine + glue (the rest)':<58} {1000 * rest:8.1f}")
     pp = res["plain_parts"]
     print("  plain loop, same library work:  " + ", ".join(f"{k} {1000 * v / m:.1f}" for k, v in pp.items()))
@@ -597,6 +654,26 @@ def print_profile(prof: Any, top: int = 40) -> None:
     stats.sort_stats("cumulative").print_stats(top)
     print("\n== cProfile of the flow's iterations 2..N (main thread; cumulative) ==")
     print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:20000])
+    # Own time by package: which library the main thread's time is spent in (built-ins count as "C").
+    by_package: dict[str, float] = defaultdict(float)
+    for (filename, _line, _name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        path = filename.replace("\\", "/")
+        if "site-packages/" in path:
+            package = path.split("site-packages/", 1)[1].split("/", 1)[0]
+        elif path.startswith(str(ROOT)):
+            package = path[len(str(ROOT)) + 1 :].split("/", 1)[0]
+        elif filename == "~":
+            package = "C (built-ins, torch ops)"
+        else:
+            package = "python stdlib"
+        by_package[package] += tottime
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    print("\n== cProfile, own time (tottime) ==")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-17:])
+    print("\n== own time by package (main thread, s over the profiled iterations) ==")
+    for package, seconds in sorted(by_package.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {package:<40} {seconds:7.3f}")
 
 
 def main() -> None:

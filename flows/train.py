@@ -21,7 +21,7 @@ from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
 from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, progress_logger
-from flows.settings import configure_environment
+from flows.settings import configure_environment, deprioritise_ephemeral_server
 from ragen_core.config import RagenConfig
 from ragen_core.run_dir import RunDir
 from ragen_core.stages import eval_due, finish_iteration, init_policy_stage
@@ -106,6 +106,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
     """
     request = request or TrainRequest()
     state = configure_environment()
+    deprioritise_ephemeral_server()  # it records this flow's task runs; training should not wait on it
     log = get_run_logger()
     opened = open_run(
         state,

@@ -56,12 +56,18 @@ class Observer(Protocol):
 
     def signalled(self, k: int, signals: Sequence[Signal], action: str) -> None: ...
 
+    def close(self) -> None:
+        """Deliver what is still queued (the loop is over)."""
+
 
 class _NoObserver:
     def iteration_done(self, k: int, total: int, line: str) -> None:
         pass
 
     def signalled(self, k: int, signals: Sequence[Signal], action: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -153,6 +159,7 @@ class Training:
 
     def __exit__(self, *exc: object) -> None:
         self.background.close()
+        self.observer.close()
         if self.system_metrics is not None:
             self.system_metrics.stop()
         if self.session is not None:
