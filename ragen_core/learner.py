@@ -9,7 +9,7 @@
 3. token rewards: the trajectory score on its last trained token (docs/architecture.md, "Trajectory
    schema"), minus ``kl_coef`` x KL(old || ref) on every trained token when ``use_kl_in_reward``;
 4. advantages with ``ragen_core.algorithms`` (GAE + whitening, bi-level GAE, GRPO, RLOO,
-   REINFORCE++);
+   REINFORCE++), times the batch's ``advantage_scale`` (``rollout.filter.loss_scaling``);
 5. the critic update (first, as veRL), then the actor update: ``ppo_epochs`` x mini-batches, each
    mini-batch split into micro-batches whose gradients are accumulated with the mini-batch's
    *global* token counts (so the result does not depend on ``micro_batch_size`` nor, in a
@@ -594,6 +594,9 @@ class Learner:
 
         # 3. advantages ---------------------------------------------------------------------------
         advantages, returns = self._advantages(token_rewards, kl_in_reward, values, mask, batch, turn_scores)
+        scale = float(getattr(batch, "advantage_scale", 1.0))
+        if scale != 1.0:  # rollout.filter.loss_scaling, after the estimator as RAGEN-2 (returns unscaled)
+            advantages = advantages * scale
         timing["adv"] = time.perf_counter() - t
 
         # 4. mini-batches: floor(B / mini) contiguous near-equal slices per epoch -----------------
