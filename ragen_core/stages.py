@@ -251,13 +251,12 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     table = read_table(rollouts)
     all_groups = len(set(table.column("group_id").to_pylist()))
     table = table.take(pa.array(kept, type=pa.int64()))
-    batch = to_token_batch(table)
-    # rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling): the kept fraction of the groups
-    batch.advantage_scale = filter_loss_scale(
+    # rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling), from the kept fraction of the groups
+    scale = filter_loss_scale(
         len(set(table.column("group_id").to_pylist())), all_groups, cfg.rollout.filter.loss_scaling
     )
     t0 = time.perf_counter()
-    metrics = session.learner.step(batch)
+    metrics = session.learner.step(to_token_batch(table), advantage_scale=scale)
     metrics["timing_s/update"] = time.perf_counter() - t0
     crash_point("learn", k)
     t0 = time.perf_counter()

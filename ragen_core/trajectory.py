@@ -235,8 +235,6 @@ class TokenBatch:
     #: (B, K) float32: env reward + format penalty of each *trained* assistant turn, 0-padded
     #: (bi-level GAE; column k is the k-th trained turn of the row)
     turn_scores: torch.Tensor | None = None
-    #: the factor the learner multiplies the advantages by (``rollout.filter.loss_scaling``; 1: none)
-    advantage_scale: float = 1.0
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -383,7 +383,7 @@ def test_lora_trains_adapter_only_and_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo"])
 def test_advantage_scale_scales_the_advantages_and_the_policy_loss_only(estimator):
-    """rollout.filter.loss_scaling reaches the learner as ``batch.advantage_scale`` (RAGEN-2 multiplies
+    """rollout.filter.loss_scaling reaches the learner as ``advantage_scale`` (RAGEN-2 multiplies
     the advantages after the estimator): advantages and the on-policy pg loss scale by it, returns do not."""
     batch = random_batch(8, seed=2)
     out = {}
@@ -391,7 +391,7 @@ def test_advantage_scale_scales_the_advantages_and_the_policy_loss_only(estimato
         learner = Learner(
             tiny_policy(dtype=torch.float64), make_cfg(adv_estimator=estimator, optim={"mini_batch_size": 8})
         )
-        out[scale] = learner.step(_replace(batch, advantage_scale=scale))
+        out[scale] = learner.step(batch, advantage_scale=scale)
     for stat in ("mean", "max", "min"):
         assert out[0.25][f"critic/advantages/{stat}"] == pytest.approx(
             0.25 * out[1.0][f"critic/advantages/{stat}"]
