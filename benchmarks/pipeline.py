@@ -8,7 +8,7 @@
   and the DONE mark written, then the Echo-Trap monitor and the MLflow logging (one ``log_batch``,
   the Parquet artifact, sample transcripts appended to the run's table).
 - plain: the same library calls in a plain loop, in memory: ``RolloutWorker.rollout`` (the
-  trajectories table), the StarPO-S filter (``ragen_core.algorithms.select_groups``),
+  trajectories table), the StarPO-S filter (``ragen_core.stages.select_rollouts``),
   ``learner.step(to_token_batch(kept rows))``, the weight sync; the same validation rollout at the
   last iteration. No Prefect, no MLflow, no Parquet, no checkpoints.
 
@@ -314,8 +314,7 @@ class Plain:
         import pyarrow as pa
         import torch
 
-        from ragen_core.algorithms import select_groups
-        from ragen_core.stages import eval_due, sampling_params
+        from ragen_core.stages import eval_due, sampling_params, select_rollouts
         from ragen_core.trajectory import to_token_batch
 
         cfg, s = self.cfg, self.session
@@ -327,8 +326,7 @@ class Plain:
         )
         t1 = time.perf_counter()
         scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
-        groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
-        keep = select_groups(scores, groups, cfg.rollout.filter_ratio, mode=cfg.rollout.filter_type)
+        keep = select_rollouts(cfg.rollout.filter, table).keep
         kept = torch.nonzero(keep).flatten().tolist()
         batch = to_token_batch(table.take(pa.array(kept, type=pa.int64())))
         t2 = time.perf_counter()

@@ -247,9 +247,11 @@ class LearnerWorker:
         return sum(p.numel() for p in self.learner.policy.parameters())
 
     # -- work
-    def step(self, batch: TokenBatch, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
+    def step(
+        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+    ) -> dict[str, float]:
         assert self.learner is not None
-        return self.learner.step(batch, turn_scores)
+        return self.learner.step(batch, turn_scores, advantage_scale)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         assert self.learner is not None
@@ -379,10 +381,12 @@ class LearnerGroup:
             self.shutdown()
             raise
 
-    def step(self, batch: TokenBatch, turn_scores: torch.Tensor | None = None) -> dict[str, float]:
+    def step(
+        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+    ) -> dict[str, float]:
         """One learner step on the whole (filtered) batch; returns rank 0's (global) metrics."""
         ref = ray.put(batch)
-        return _get_all([a.step.remote(ref, turn_scores) for a in self.actors])[0]
+        return _get_all([a.step.remote(ref, turn_scores, advantage_scale) for a in self.actors])[0]
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full weights (CPU tensors, plain model names; LoRA merged) for rollout actors."""

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ragen_core.algorithms import kept_group_count
+from ragen_core.algorithms import SPREAD_FILTER_METRICS, kept_group_count
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner_config import LearnerConfig
@@ -91,6 +91,119 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
+#: The keys of earlier configs that ``rollout.filter`` replaced, and what each one means there.
+LEGACY_FILTER_KEYS = ("filter_ratio", "filter_type")
+#: ``rollout.filter_type`` -> ``rollout.filter.keep``.
+_LEGACY_FILTER_TYPES = {"std": "largest", "std_rev": "smallest"}
+
+
+class RolloutFilterConfig(BaseModel):
+    """The rollout filter (RAGEN-2's ``rollout_filter_*``; docs/architecture.md, "Algorithms contract"):
+    a group metric, a strategy over it and the strategy's value. The default is StarPO-S as it always
+    was here: the 25% of groups with the largest in-group score std."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = Field(
+        default="top_k",
+        description="top_k: a fraction of the groups; top_k_abs: a number of groups; top_p: the best groups "
+        "holding a share of the metric's total; min_p: the groups within a factor of the best",
+    )
+    value: float = Field(
+        default=0.25,
+        gt=0.0,
+        description="the strategy's value: top_k the fraction of groups kept, in (0, 1]; top_k_abs the number "
+        "of groups kept (an integer >= 1); top_p the share p in (0, 1] (1 keeps all); min_p the factor p in (0, 1]",
+    )
+    metric: Literal["reward_variance", "reward", "reward_sum", "entropy", "entropy_variance", "length"] = (
+        Field(default="reward_variance", description="the group value ranked (see docs/architecture.md)")
+    )
+    keep: Literal["largest", "smallest"] = Field(
+        default="largest", description="keep the largest or smallest values"
+    )
+    include_zero: bool = Field(
+        default=True, description="groups whose metric is 0 are candidates (False: never kept)"
+    )
+    top_p_mode: Literal["linear", "softmax"] = Field(
+        default="linear", description="top_p: share of the metric's sum (linear) or of its softmax"
+    )
+    selection_eps: float = Field(default=0.01, ge=0.0, description="top_p linear: threshold p x sum - eps")
+    loss_scaling: Literal["none", "linear", "sqrt"] = Field(
+        default="none",
+        description="multiply the advantages by the kept fraction of groups r (linear) or sqrt(r) (sqrt)",
+    )
+
+    @model_validator(mode="after")
+    def _value_fits_strategy(self) -> RolloutFilterConfig:
+        if self.strategy == "top_k_abs":
+            if self.value < 1 or not float(self.value).is_integer():
+                raise ValueError(
+                    f"rollout.filter.value={self.value} with rollout.filter.strategy=top_k_abs must be a "
+                    "whole number of groups >= 1 (e.g. 4); for a fraction of the groups use strategy top_k"
+                )
+        elif self.value > 1.0:
+            raise ValueError(
+                f"rollout.filter.value={self.value} with rollout.filter.strategy={self.strategy} must be in "
+                "(0, 1]; for a number of groups use strategy top_k_abs"
+            )
+        return self
+
+    def keeps_everything(self) -> bool:
+        """True when the filter keeps every group whatever the rollouts (no filtering: vanilla StarPO)."""
+        return self.include_zero and self.strategy in ("top_k", "top_p") and self.value >= 1.0
+
+    def fixed_group_count(self, n_groups: int) -> int | None:
+        """The number of groups kept out of ``n_groups`` when the strategy fixes it, else None
+        (top_p and min_p adapt to the rollouts; ``include_zero=False`` may keep fewer)."""
+        if self.strategy == "top_k":
+            return kept_group_count(self.value, n_groups)
+        if self.strategy == "top_k_abs":
+            return min(int(self.value), n_groups)
+        return None
+
+
+def _map_legacy_filter_keys(rollout: dict[str, Any]) -> dict[str, Any]:
+    """``rollout`` with ``filter_ratio`` / ``filter_type`` moved into its ``filter`` section.
+
+    The old keys mean ``strategy: top_k, metric: reward_variance, include_zero: true`` with
+    ``value = filter_ratio`` and ``keep = largest | smallest`` for ``filter_type = std | std_rev``. A
+    ``filter`` key set to something else beside them is an error naming both; an old key set to null
+    counts as absent (so ``--set rollout.filter_ratio=null`` lifts a config file's old key).
+    """
+    given = {k: rollout[k] for k in LEGACY_FILTER_KEYS if rollout.get(k) is not None}
+    out = {k: v for k, v in rollout.items() if k not in LEGACY_FILTER_KEYS}
+    if not given:
+        return out
+    implied: dict[str, Any] = {"strategy": "top_k", "metric": "reward_variance", "include_zero": True}
+    if "filter_ratio" in given:
+        implied["value"] = given["filter_ratio"]
+    if "filter_type" in given:
+        kind = given["filter_type"]
+        if kind not in _LEGACY_FILTER_TYPES:
+            raise ValueError(
+                f"rollout.filter_type={kind!r} is not std or std_rev; set rollout.filter_type to std (keep the "
+                "largest score std) or std_rev (the smallest), or use rollout.filter.keep"
+            )
+        implied["keep"] = _LEGACY_FILTER_TYPES[kind]
+    section = out.get("filter")
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        return out  # the section's own validation names the key
+    clashes = [k for k, v in implied.items() if k in section and section[k] != v]
+    if clashes:
+        old = ", ".join(f"rollout.{k}={given[k]}" for k in given)
+        new = ", ".join(f"rollout.filter.{k}={section[k]}" for k in clashes)
+        raise ValueError(
+            f"{old} (the old spelling of rollout.filter with strategy=top_k, metric=reward_variance, "
+            f"include_zero=true) disagrees with {new}; set the filter in one place: remove "
+            f"{' and '.join(f'rollout.{k}' for k in given)} (or --set rollout.{next(iter(given))}=null), "
+            "or drop the clashing rollout.filter keys"
+        )
+    out["filter"] = {**section, **implied}
+    return out
+
+
 class RolloutConfig(BaseModel):
     """Generation settings (RAGEN's defaults) and the StarPO-S filter (docs/architecture.md, "Agent text
     protocol" and "Algorithms contract")."""
@@ -108,8 +221,10 @@ class RolloutConfig(BaseModel):
     top_k: int = Field(default=-1, description="-1 disables")
     max_new_tokens: int = Field(default=400, ge=1, description="per turn (RAGEN's response_length)")
     val_temperature: float = Field(default=0.5, ge=0.0, description="validation rollouts")
-    filter_ratio: float = Field(default=0.25, gt=0.0, le=1.0, description="fraction of groups kept")
-    filter_type: Literal["std", "std_rev"] = Field(default="std", description="keep highest / lowest std")
+    filter: RolloutFilterConfig = Field(
+        default_factory=RolloutFilterConfig,
+        description="StarPO-S rollout filter; the old keys filter_ratio / filter_type are still read into it",
+    )
     max_batch_size: int | None = Field(default=None, ge=1, description="engine micro-batch (memory only)")
     max_model_len: int | None = Field(default=None, ge=16, description="prompt + generation limit")
     gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0, description="vLLM")
@@ -165,6 +280,15 @@ class RagenConfig(BaseModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        # Here rather than on RolloutConfig: a clash of two keys is a cross-field message, which
+        # _explain prints as it is (a section's own error would be followed by the whole section).
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict):
+            data = {**data, "rollout": _map_legacy_filter_keys(data["rollout"])}
+        return data
+
     @model_validator(mode="after")
     def _combinations(self) -> RagenConfig:
         # Tags and shapes are checked here, not where they are used: a typo there surfaces after the
@@ -175,25 +299,28 @@ class RagenConfig(BaseModel):
         problems += _model_shape_problems(self.model)
         if problems:
             raise ValueError("\n  ".join(problems))
-        g, r, algo = self.train, self.rollout, self.learner.algorithm
-        if g.group_size == 1 and r.filter_ratio < 1.0:
+        g, f, algo = self.train, self.rollout.filter, self.learner.algorithm
+        if g.group_size == 1 and f.metric in SPREAD_FILTER_METRICS and not f.keeps_everything():
+            what = f.metric.removesuffix("_variance")
             raise ValueError(
-                "train.group_size=1 has no in-group reward variance for the StarPO-S filter; set "
-                "rollout.filter_ratio=1 or train.group_size>=2"
+                f"train.group_size=1 has no in-group {what} variance for the StarPO-S filter "
+                f"(rollout.filter.metric={f.metric}); set rollout.filter_ratio=1 (rollout.filter.value=1 with "
+                "strategy top_k or top_p: no filtering), another rollout.filter.metric, or train.group_size>=2"
             )
         if g.group_size == 1 and algo.adv_estimator in ("grpo", "rloo"):
             raise ValueError(
                 f"learner.algorithm.adv_estimator={algo.adv_estimator} needs train.group_size>=2 "
                 "(its baseline is the group)"
             )
-        kept_groups = kept_group_count(r.filter_ratio, g.num_groups)
-        kept = kept_groups * g.group_size
+        kept_groups = f.fixed_group_count(g.num_groups)
+        kept = g.num_groups * g.group_size if kept_groups is None else kept_groups * g.group_size
         mb = self.learner.optim.mini_batch_size
         if mb > kept:
+            shown = "all" if kept_groups is None else str(kept_groups)
             raise ValueError(
                 f"learner.optim.mini_batch_size={mb} is larger than the filtered batch ({kept} = "
-                f"{kept_groups} kept groups x {g.group_size}); lower learner.optim.mini_batch_size to "
-                f"<= {kept} or raise rollout.filter_ratio / train.n_groups"
+                f"{shown} kept groups x {g.group_size}); lower learner.optim.mini_batch_size to "
+                f"<= {kept} or raise rollout.filter_ratio (rollout.filter.value) / train.n_groups"
             )
         return self
 

@@ -9,7 +9,7 @@
 3. token rewards: the trajectory score on its last trained token (docs/architecture.md, "Trajectory
    schema"), minus ``kl_coef`` x KL(old || ref) on every trained token when ``use_kl_in_reward``;
 4. advantages with ``ragen_core.algorithms`` (GAE + whitening, bi-level GAE, GRPO, RLOO,
-   REINFORCE++);
+   REINFORCE++), times ``advantage_scale`` (``rollout.filter.loss_scaling``);
 5. the critic update (first, as veRL), then the actor update: ``ppo_epochs`` x mini-batches, each
    mini-batch split into micro-batches whose gradients are accumulated with the mini-batch's
    *global* token counts (so the result does not depend on ``micro_batch_size`` nor, in a
@@ -523,11 +523,15 @@ class Learner:
 
     # ---------------------------------------------------------------- the step
 
-    def step(self, batch: TokenBatch, turn_scores: torch.Tensor | None = None) -> dict[str, float]:  # noqa: C901 - the numbered steps of the update, read top to bottom like the paper
+    def step(  # noqa: C901 - the numbered steps of the update, read top to bottom like the paper
+        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+    ) -> dict[str, float]:
         """One learner iteration on ``batch``; returns its metrics under their logged names (floats).
 
         ``turn_scores`` (B, K): reward of each trajectory's k-th trained turn, for bi-level GAE
         (default: the score on the last turn). Read from ``batch.turn_scores`` when not given.
+        ``advantage_scale``: the advantages are multiplied by it after the estimator (RAGEN-2's
+        ``filter_loss_scaling``, ``rollout.filter.loss_scaling``); the returns are not.
         """
         t_start = time.perf_counter()
         if turn_scores is None:
@@ -594,6 +598,8 @@ class Learner:
 
         # 3. advantages ---------------------------------------------------------------------------
         advantages, returns = self._advantages(token_rewards, kl_in_reward, values, mask, batch, turn_scores)
+        if advantage_scale != 1.0:
+            advantages = advantages * advantage_scale
         timing["adv"] = time.perf_counter() - t
 
         # 4. mini-batches: floor(B / mini) contiguous near-equal slices per epoch -----------------

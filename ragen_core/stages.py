@@ -17,8 +17,16 @@ import pyarrow as pa
 import torch
 
 from ragen_core import stage_record
-from ragen_core.algorithms import group_std_stats, select_groups
-from ragen_core.config import RagenConfig
+from ragen_core.algorithms import (
+    TOKEN_FILTER_METRICS,
+    ZERO_TOL,
+    GroupSelection,
+    filter_loss_scale,
+    filter_rollouts,
+    group_std_stats,
+)
+from ragen_core.config import RagenConfig, RolloutFilterConfig
+from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import record_tree, verify_tree
 from ragen_core.run_dir import RunDir, atomic_write_text, copy_tokenizer
@@ -150,9 +158,53 @@ def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tu
     return path, metrics
 
 
+class EmptyFilterError(RagenError, ValueError):
+    """The rollout filter kept no group: there is nothing to train on."""
+
+
+def select_rollouts(f: RolloutFilterConfig, table: pa.Table) -> GroupSelection:
+    """The groups of a trajectory table that the rollout filter ``f`` keeps (``filter_rollouts`` on
+    the table's scores, and for the entropy and length metrics its sampled tokens' log-probs and loss
+    mask)."""
+    scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
+    groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
+    logprobs = mask = None
+    if f.metric in TOKEN_FILTER_METRICS:
+        batch = to_token_batch(table)
+        logprobs, mask = batch.rollout_logprobs.to(torch.float64), batch.loss_mask
+    return filter_rollouts(
+        scores,
+        groups,
+        f.strategy,
+        f.value,
+        metric=f.metric,
+        keep=f.keep,
+        include_zero=f.include_zero,
+        top_p_mode=f.top_p_mode,
+        selection_eps=f.selection_eps,
+        logprobs=logprobs,
+        mask=mask,
+    )
+
+
+def _empty_filter_message(f: RolloutFilterConfig, selection: GroupSelection, k: int) -> str:
+    values = selection.group_values
+    zero = int((values.abs() <= ZERO_TOL).sum())
+    strategy = f"top_p ({f.top_p_mode})" if f.strategy == "top_p" else f.strategy
+    return (
+        f"iteration {k}: the rollout filter kept none of the {values.shape[0]} groups (strategy {strategy}, "
+        f"value {f.value}, metric {f.metric}, keep {f.keep}, include_zero {str(f.include_zero).lower()}; "
+        f"{zero} groups have metric 0, the largest is {float(values.nan_to_num(0.0).max()):.4g}), so there "
+        "is nothing to train on. Start a new run with a filter that always keeps a group: "
+        "rollout.filter.include_zero=true with strategy top_k or top_k_abs, or a larger rollout.filter.value "
+        "(top_p 1 keeps every group); a resumed run keeps its config"
+    )
+
+
 def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict[str, float]]:
-    """StarPO-S: keep whole groups with the largest in-group score std (``rollout.filter_ratio`` of
-    them); writes the kept rows and the group statistics to the iteration's ``filter.json``."""
+    """StarPO-S: keep whole groups chosen by ``rollout.filter`` (by default the ``value`` fraction of
+    them with the largest in-group score std); writes the kept rows and the group statistics to the
+    iteration's ``filter.json``. A filter that keeps no group raises :class:`EmptyFilterError`."""
     rollouts, out = run.rollouts(k), run.filter_file(k)
     record, inputs = run.stage_record("filter", k), {"rollouts": rollouts}
     stored = stage_record.load(record, inputs)
@@ -161,13 +213,26 @@ def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict
     table = read_table(rollouts)
     scores = torch.tensor(table.column("score").to_pylist(), dtype=torch.float64)
     groups = torch.tensor(table.column("group_id").to_pylist(), dtype=torch.int64)
-    r = cfg.rollout
-    keep = select_groups(scores, groups, r.filter_ratio, mode=r.filter_type)
+    f = cfg.rollout.filter
+    selection = select_rollouts(f, table)
+    n_groups = int(selection.kept_groups.shape[0])
+    n_kept = int(selection.kept_groups.sum())
+    if n_groups and not n_kept:
+        raise EmptyFilterError(_empty_filter_message(f, selection, k))
+    keep = selection.keep
     kept = torch.nonzero(keep).flatten().tolist()
     before, after = group_std_stats(scores, groups), group_std_stats(scores[keep], groups[keep])
     metrics = {f"rollout/{k}": float(v) for k, v in before.items()}
     metrics.update({f"rollout/chosen_{k}": float(v) for k, v in after.items()})
     metrics["rollout/kept_trajectories"] = float(len(kept))
+    values = selection.group_values.nan_to_num(0.0)
+    metrics["rollout/filter_kept_count"] = float(n_kept)
+    metrics["rollout/filter_kept_ratio"] = n_kept / n_groups if n_groups else 1.0
+    metrics["rollout/filter_zero_count"] = float((values.abs() <= ZERO_TOL).sum())
+    metrics["rollout/filter_metric_mean"] = float(values.mean()) if n_groups else 0.0
+    metrics["rollout/chosen_filter_metric_mean"] = (
+        float(values[selection.kept_groups].mean()) if n_kept else 0.0
+    )
     atomic_write_text(out, json.dumps({"kept_rows": kept, "metrics": metrics}, indent=1))
     stage_record.save(record, inputs, [out], metrics, {"kept_rows": kept})
     return kept, metrics
@@ -183,9 +248,15 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     if stored is not None:
         return stored["metrics"]
     session.restore(start)
-    table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
+    table = read_table(rollouts)
+    all_groups = len(set(table.column("group_id").to_pylist()))
+    table = table.take(pa.array(kept, type=pa.int64()))
+    # rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling), from the kept fraction of the groups
+    scale = filter_loss_scale(
+        len(set(table.column("group_id").to_pylist())), all_groups, cfg.rollout.filter.loss_scaling
+    )
     t0 = time.perf_counter()
-    metrics = session.learner.step(to_token_batch(table))
+    metrics = session.learner.step(to_token_batch(table), advantage_scale=scale)
     metrics["timing_s/update"] = time.perf_counter() - t0
     crash_point("learn", k)
     t0 = time.perf_counter()

@@ -362,7 +362,7 @@ def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best:
     model = cfg.model.imported or cfg.model.path or "the tiny local model (built from environment text)"
     warm = " after an SFT warm start" if cfg.sft is not None else ""
     lines = [
-        f"**{run_id}**: {algo.adv_estimator.upper()} (StarPO{'-S' if cfg.rollout.filter_ratio < 1 else ''}) "
+        f"**{run_id}**: {algo.adv_estimator.upper()} (StarPO{'-S' if not cfg.rollout.filter.keeps_everything() else ''}) "
         f"on {', '.join(cfg.train.tags)} with {model}{warm}, {last} of {cfg.trainer.iterations} iterations "
         f"({sum(cfg.train.n_groups)} groups x {cfg.train.group_size} per iteration).",
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ragen_core.config import (
     ConfigError,
@@ -20,7 +21,7 @@ from ragen_core.config import (
 def test_defaults_are_ragens_base_yaml() -> None:
     cfg = load_config(overrides=["learner.optim.mini_batch_size=32"])
     assert cfg.train.num_envs == 128 and cfg.val.num_envs == 256
-    assert cfg.rollout.filter_ratio == 0.25
+    assert cfg.rollout.filter.value == 0.25 and cfg.rollout.filter.strategy == "top_k"
     assert cfg.learner.algorithm.clip_low == 0.2 and cfg.learner.algorithm.clip_high == 0.28
     assert cfg.learner.algorithm.adv_estimator == "gae" and not cfg.learner.algorithm.use_kl_loss
     assert cfg.agent.max_turn == 5 and cfg.agent.format_penalty == -0.1
@@ -189,3 +190,154 @@ def test_a_written_config_with_a_removed_key_is_refused_with_the_fix(tmp_path: P
         load_config(path)
     with pytest.raises(ConfigError, match=fix):  # in an override, also over a stored config
         load_config(path, ["sft.protocol.enable_think=false"], stored=True)
+
+
+# ----------------------------------------------------------------------------- rollout.filter
+
+_SMALL = [
+    "train.tags=[Bandit]",
+    "train.n_groups=[8]",
+    "train.group_size=4",
+    "learner.optim.mini_batch_size=4",
+]
+
+
+@pytest.mark.parametrize(
+    ("legacy", "keep", "value"),
+    [
+        ([], "largest", 0.25),
+        (["rollout.filter_ratio=0.5"], "largest", 0.5),
+        (["rollout.filter_type=std_rev"], "smallest", 0.25),
+    ],
+)
+def test_the_old_filter_keys_map_onto_rollout_filter(legacy: list[str], keep: str, value: float) -> None:
+    f = load_config(overrides=[*_SMALL, *legacy]).rollout.filter
+    assert (f.strategy, f.metric, f.keep, f.value, f.include_zero) == (
+        "top_k",
+        "reward_variance",
+        keep,
+        value,
+        True,
+    )
+    assert f.loss_scaling == "none"
+
+
+def test_every_shipped_config_keeps_its_filter() -> None:
+    """The configs/ files still spell the filter with the old keys: each maps to the top_k filter
+    at the same ratio, so they select the same groups as before."""
+    for path in sorted(Path("configs").rglob("*.yaml")):
+        raw = yaml.safe_load(path.read_text()).get("rollout", {})
+        f = load_config(path).rollout.filter
+        assert (f.strategy, f.metric, f.include_zero) == ("top_k", "reward_variance", True), path
+        assert f.value == raw.get("filter_ratio", 0.25), path
+        assert f.keep == {"std": "largest", "std_rev": "smallest"}[raw.get("filter_type", "std")], path
+
+
+def test_old_and_new_filter_keys_together() -> None:
+    # consistent: accepted
+    cfg = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.value=0.5"])
+    assert cfg.rollout.filter.value == 0.5
+    both = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.loss_scaling=sqrt"])
+    assert both.rollout.filter.loss_scaling == "sqrt" and both.rollout.filter.value == 0.5
+    # inconsistent: refused, naming both keys and the fix
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.filter_ratio=0\.5 .*disagrees with rollout\.filter\.strategy=top_p.*"
+        r"--set rollout\.filter_ratio=null",
+    ):
+        load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.strategy=top_p"])
+    with pytest.raises(
+        ConfigError, match=r"rollout\.filter_type=std .*disagrees with rollout\.filter\.keep=smallest"
+    ):
+        load_config(overrides=[*_SMALL, "rollout.filter_type=std", "rollout.filter.keep=smallest"])
+    with pytest.raises(ConfigError, match=r"rollout\.filter_type='max'.*std or std_rev"):
+        load_config(overrides=[*_SMALL, "rollout.filter_type=max"])
+    # a config file's old key lifted with null: the new section alone decides
+    lifted = load_config(
+        Path("configs/bandit-tiny.yaml"),
+        ["rollout.filter_ratio=null", "rollout.filter.strategy=top_p", "rollout.filter.value=0.9"],
+    )
+    assert (lifted.rollout.filter.strategy, lifted.rollout.filter.value) == ("top_p", 0.9)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.filter.strategy=top_k_abs", "rollout.filter.value=2.5"],
+            r"rollout\.filter\.value=2\.5 .*top_k_abs must be a whole number",
+        ),
+        (["rollout.filter.strategy=top_k_abs", "rollout.filter.value=0.5"], r"whole number of groups >= 1"),
+        (
+            ["rollout.filter.strategy=min_p", "rollout.filter.value=2"],
+            r"rollout\.filter\.value=2\.0 .*strategy=min_p must be in \(0, 1\]",
+        ),
+        (["rollout.filter.strategy=top_pp"], r"rollout\.filter\.strategy"),
+        (["rollout.filter.metric=variance"], r"rollout\.filter\.metric"),
+        (["rollout.filter.loss_scaling=log"], r"rollout\.filter\.loss_scaling"),
+        (["rollout.filter.keeep=largest"], r"did you mean rollout\.filter\.keep\?"),
+        (
+            ["train.group_size=1", "rollout.filter.metric=entropy_variance"],
+            r"train\.group_size=1 has no in-group entropy variance .*rollout\.filter\.metric=entropy_variance",
+        ),
+        (
+            [
+                "rollout.filter.strategy=top_k_abs",
+                "rollout.filter.value=1",
+                "learner.optim.mini_batch_size=8",
+            ],
+            r"mini_batch_size=8 is larger than the filtered batch \(4 = 1 kept groups x 4\)",
+        ),
+    ],
+)
+def test_bad_filter_configs_name_the_key_and_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*_SMALL, *overrides])
+
+
+def test_filters_that_fit_one_member_groups_and_adaptive_counts() -> None:
+    one = [*_SMALL, "train.group_size=1", "learner.optim.mini_batch_size=2"]
+    # no variance metric, or a filter that keeps everything: a group of one is fine
+    assert load_config(overrides=[*one, "rollout.filter.metric=reward"]).rollout.filter.metric == "reward"
+    assert load_config(overrides=[*one, "rollout.filter.strategy=top_p", "rollout.filter.value=1"])
+    # top_p / min_p keep an unknown number of groups: the check uses all groups (the learner checks the rest)
+    cfg = load_config(
+        overrides=[
+            *_SMALL,
+            "rollout.filter.strategy=min_p",
+            "rollout.filter.value=0.5",
+            "learner.optim.mini_batch_size=32",
+        ]
+    )
+    assert cfg.rollout.filter.fixed_group_count(8) is None
+    assert (
+        load_config(
+            overrides=[*_SMALL, "rollout.filter.strategy=top_k_abs", "rollout.filter.value=3"]
+        ).rollout.filter.fixed_group_count(8)
+        == 3
+    )
+
+
+def test_a_stored_config_with_the_old_filter_keys_loads_and_resumes(tmp_path: Path) -> None:
+    """A run's config.yaml written before rollout.filter existed (filter_ratio / filter_type, no
+    section) loads to the same filter and resumes without a refused change."""
+    from ragen_core.integrity import record
+    from ragen_core.resume import resume_config
+    from ragen_core.run_dir import RunDir
+
+    cfg = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5"])
+    data = cfg.model_dump(mode="json")
+    data["rollout"].pop("filter")
+    data["rollout"].update(filter_ratio=0.5, filter_type="std")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    record(path)
+    stored = RunDir(tmp_path).config()
+    assert stored == cfg and config_hash(stored) == config_hash(cfg)
+    given, changes = resume_config(tmp_path, stored, 0, overrides=["trainer.iterations=9"])
+    assert (
+        changes == {"trainer.iterations": (str(cfg.trainer.iterations), "9")}
+        and given.rollout.filter == cfg.rollout.filter
+    )
+    again = load_config(dump_config(cfg, tmp_path / "new.yaml"))
+    assert again == cfg and "filter_ratio" not in (tmp_path / "new.yaml").read_text()

@@ -379,3 +379,24 @@ def test_lora_trains_adapter_only_and_checkpoints(tmp_path):
     fresh = Learner(tiny_policy(), cfg)
     fresh.load_checkpoint(tmp_path / "ckpt")
     assert max_diff(weights(fresh.policy), after) == 0.0
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_advantage_scale_scales_the_advantages_and_the_policy_loss_only(estimator):
+    """rollout.filter.loss_scaling reaches the learner as ``advantage_scale`` (RAGEN-2 multiplies
+    the advantages after the estimator): advantages and the on-policy pg loss scale by it, returns do not."""
+    batch = random_batch(8, seed=2)
+    out = {}
+    for scale in (1.0, 0.25):
+        learner = Learner(
+            tiny_policy(dtype=torch.float64), make_cfg(adv_estimator=estimator, optim={"mini_batch_size": 8})
+        )
+        out[scale] = learner.step(batch, advantage_scale=scale)
+    for stat in ("mean", "max", "min"):
+        assert out[0.25][f"critic/advantages/{stat}"] == pytest.approx(
+            0.25 * out[1.0][f"critic/advantages/{stat}"]
+        )
+        assert out[0.25][f"critic/returns/{stat}"] == pytest.approx(out[1.0][f"critic/returns/{stat}"])
+    # one mini-batch: the ratio is 1, nothing is clipped, so the pg loss is -mean(A) and scales exactly
+    assert out[0.25]["actor/pg_loss"] == pytest.approx(0.25 * out[1.0]["actor/pg_loss"], rel=1e-9)
+    assert out[1.0]["actor/pg_loss"] != 0.0

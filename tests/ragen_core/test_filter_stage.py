@@ -1,0 +1,125 @@
+"""The filter stage with rollout.filter: what it keeps, what it logs, and an empty selection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ragen_core.config import load_config
+from ragen_core.run_dir import RunDir, create_run
+from ragen_core.stages import EmptyFilterError, filter_stage
+from ragen_core.trajectory import Trajectory, write_trajectories
+
+BASE = ["train.tags=[Bandit]", "train.n_groups=[4]", "train.group_size=2", "learner.optim.mini_batch_size=2"]
+#: 4 groups of 2: scores {1, 1} std 0 / {0, 2} std 1.41 / {0, 0} std 0 / {1, 2} std 0.71;
+#: sampled tokens 3, 1, 2, 2, 1, 1, 4, 2; each token's log-prob is -(group + 1)
+SCORES = [1.0, 1.0, 0.0, 2.0, 0.0, 0.0, 1.0, 2.0]
+TOKENS = [3, 1, 2, 2, 1, 1, 4, 2]
+
+
+def _traj(i: int, scores: list[float] = SCORES) -> Trajectory:
+    n = TOKENS[i]
+    mask = [0] + [1] * n
+    return Trajectory(
+        run_id="r",
+        iteration=1,
+        split="train",
+        env_tag="Bandit",
+        group_id=i // 2,
+        env_id=i,
+        seed=i // 2,
+        turn_count=1,
+        success=False,
+        truncated=False,
+        reward=scores[i],
+        format_penalty=0.0,
+        score=scores[i],
+        input_ids=list(range(1, n + 2)),
+        loss_mask=mask,
+        turn_index=[0] * (n + 1),
+        rollout_logprobs=[-(i // 2 + 1.0) * m for m in mask],
+        messages=[{"role": "user", "content": "x"}],
+        actions=[["a"]],
+        turn_rewards=[scores[i]],
+    )
+
+
+def _run(tmp_path: Path, overrides: list[str], local_state: Path) -> tuple[RunDir, object]:
+    cfg = load_config(overrides=[*BASE, *overrides, f"trainer.run_root={tmp_path}"])
+    run = create_run(cfg, "filter")
+    write_trajectories([_traj(i) for i in range(8)], run.rollouts(1))
+    return run, cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kept_rows"),
+    [
+        (["rollout.filter_ratio=0.5"], [2, 3, 6, 7]),  # std: groups 1, 3
+        (["rollout.filter_ratio=0.5", "rollout.filter_type=std_rev"], [0, 1, 4, 5]),  # std 0 ties: 0, 2
+        (
+            ["rollout.filter.strategy=top_k_abs", "rollout.filter.value=1", "rollout.filter.metric=reward"],
+            [6, 7],
+        ),
+        # linear: tau = 0.6 x 2.12 - 0.01 = 1.26, reached by group 1 (1.41) alone; 0.7: tau 1.47 needs group 3 too
+        (["rollout.filter.strategy=top_p", "rollout.filter.value=0.6"], [2, 3]),
+        (["rollout.filter.strategy=top_p", "rollout.filter.value=0.7"], [2, 3, 6, 7]),
+        (
+            ["rollout.filter.strategy=top_k", "rollout.filter.value=0.5", "rollout.filter.metric=length"],
+            [0, 1, 6, 7],
+        ),
+        # entropy estimates: group g's tokens have log-prob -(g + 1), so 1, 2, 3, 4; min_p 0.5 keeps >= 2
+        (
+            ["rollout.filter.strategy=min_p", "rollout.filter.value=0.5", "rollout.filter.metric=entropy"],
+            [2, 3, 4, 5, 6, 7],
+        ),
+        (
+            [
+                "rollout.filter.strategy=top_k",
+                "rollout.filter.value=0.25",
+                "rollout.filter.metric=reward_sum",
+                "rollout.filter.keep=smallest",
+                "rollout.filter.include_zero=false",
+            ],
+            [0, 1],
+        ),
+    ],
+)
+def test_the_filter_stage_keeps_what_the_config_asks(
+    tmp_path: Path, local_state: Path, overrides: list[str], kept_rows: list[int]
+) -> None:
+    run, cfg = _run(tmp_path, overrides, local_state)
+    kept, metrics = filter_stage(cfg, run, 1)  # type: ignore[arg-type]
+    assert kept == kept_rows
+    stored = json.loads(run.filter_file(1).read_text())
+    assert stored["kept_rows"] == kept_rows and stored["metrics"] == metrics
+    assert metrics["rollout/kept_trajectories"] == len(kept_rows)
+    assert metrics["rollout/filter_kept_count"] == len(kept_rows) / 2
+    assert metrics["rollout/filter_kept_ratio"] == len(kept_rows) / 8
+    assert "rollout/in_group_std" in metrics and "rollout/chosen_in_group_std" in metrics
+
+
+def test_filter_metrics_by_hand(tmp_path: Path, local_state: Path) -> None:
+    run, cfg = _run(tmp_path, ["rollout.filter_ratio=0.5"], local_state)
+    _, m = filter_stage(cfg, run, 1)  # type: ignore[arg-type]
+    std = [0.0, 2**0.5, 0.0, 0.5**0.5]
+    assert m["rollout/filter_zero_count"] == 2
+    assert m["rollout/filter_metric_mean"] == pytest.approx(sum(std) / 4)
+    assert m["rollout/chosen_filter_metric_mean"] == pytest.approx((std[1] + std[3]) / 2)
+    assert m["rollout/in_group_std"] == pytest.approx(sum(std) / 4)
+
+
+def test_a_filter_that_keeps_nothing_names_the_cause_and_the_fix(tmp_path: Path, local_state: Path) -> None:
+    # every group's scores are equal (std 0) and zero groups are excluded: no candidate is left
+    run, cfg = _run(
+        tmp_path,
+        ["rollout.filter.strategy=top_p", "rollout.filter.value=0.9", "rollout.filter.include_zero=false"],
+        local_state,
+    )
+    write_trajectories([_traj(i, [1.0] * 8) for i in range(8)], run.rollouts(1))
+    with pytest.raises(
+        EmptyFilterError, match=r"kept none of the 4 groups .*4 groups have metric 0.*include_zero=true"
+    ):
+        filter_stage(cfg, run, 1)  # type: ignore[arg-type]
+    assert not run.filter_file(1).exists()
