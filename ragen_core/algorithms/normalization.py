@@ -1,6 +1,6 @@
 """Reward normalisation: trajectory scores rescaled within groups before any advantage is computed.
 
-RAGEN-2 (``agent_proxy.reward_normalization``; RAGEN-2, ragen/llm_agent/ctx_manager.py) rescales
+RAGEN-2's ``agent_proxy.reward_normalization`` (docs/architecture.md, "Learner step") rescales
 each trajectory's score (environment reward + format penalty) within a grouping of the batch and
 hands the result to the advantage estimator as the reward. The grouping decides which trajectories
 share statistics; the learner maps it to group keys (docs/architecture.md, "Learner step"):
