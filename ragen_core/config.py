@@ -322,6 +322,14 @@ class RagenConfig(BaseModel):
                 f"{shown} kept groups x {g.group_size}); lower learner.optim.mini_batch_size to "
                 f"<= {kept} or raise rollout.filter_ratio (rollout.filter.value) / train.n_groups"
             )
+        norm = algo.reward_normalization
+        largest = {"state": g.group_size, "inductive": max(g.n_groups) * g.group_size, "batch": kept}
+        if norm.active and largest[norm.grouping] < 2:
+            raise ValueError(
+                f"learner.algorithm.reward_normalization.method={norm.method!r} with grouping "
+                f"{norm.grouping!r} only sees groups of one trajectory here (train.group_size={g.group_size}), "
+                "which it leaves as they are; set train.group_size>=2, another grouping, or method identity"
+            )
         return self
 
 

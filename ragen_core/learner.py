@@ -6,10 +6,13 @@
 1. check the batch (nothing is modified when it is bad);
 2. old log-probs of the sampled tokens under the current policy (no grad, temperature 1), the
    reference policy's log-probs (only when a KL term is on) and the critic's values (only for GAE);
-3. token rewards: the trajectory score on its last trained token (docs/architecture.md, "Trajectory
-   schema"), minus ``kl_coef`` x KL(old || ref) on every trained token when ``use_kl_in_reward``;
+3. token rewards: the trajectory score (after RAGEN-2's reward normalisation, when configured) on its
+   last trained token (docs/architecture.md, "Trajectory schema"), or with ``use_turn_scores`` each
+   trained turn's score on its last token, minus ``kl_coef`` x KL(old || ref) on every trained token
+   when ``use_kl_in_reward``;
 4. advantages with ``ragen_core.algorithms`` (GAE + whitening, bi-level GAE, GRPO, RLOO,
-   REINFORCE++), times ``advantage_scale`` (``rollout.filter.loss_scaling``);
+   REINFORCE++), then RAGEN-2's advantage options (soft reweighting, length weighting, zeroing),
+   times ``advantage_scale`` (``rollout.filter.loss_scaling``);
 5. the critic update (first, as veRL), then the actor update: ``ppo_epochs`` x mini-batches, each
    mini-batch split into micro-batches whose gradients are accumulated with the mini-batch's
    *global* token counts (so the result does not depend on ``micro_batch_size`` nor, in a
@@ -55,10 +58,14 @@ from ragen_core.algorithms import (
     gae,
     grpo,
     kl_penalty,
+    length_weight,
     masked_mean,
+    normalize_scores,
     policy_loss,
     reinforce_pp,
     rloo,
+    soft_advantage_weights,
+    turn_rewards_to_tokens,
     value_loss,
     whiten,
 )
@@ -440,7 +447,22 @@ class Learner:
                 f"of this batch (after filtering): set optim.mini_batch_size <= {n}, or keep more "
                 "trajectories (raise rollout.filter_ratio, env groups or group size)"
             )
-        if turn_scores is not None and self.cfg.algorithm.bi_level_gae:
+        alg = self.cfg.algorithm
+        if alg.use_turn_scores and turn_scores is None:
+            raise BadBatchError(
+                "algorithm.use_turn_scores=true needs the batch's turn_scores (to_token_batch makes them from "
+                "the trajectory table's turn_rewards); pass them or set use_turn_scores false"
+            )
+        norm = alg.reward_normalization
+        if norm.active and norm.grouping == "inductive":
+            tags = getattr(batch, "env_tags", None)
+            if tags is None or len(tags) != n:
+                raise BadBatchError(
+                    "algorithm.reward_normalization.grouping=inductive needs the batch's env_tags, one per "
+                    f"trajectory (got {None if tags is None else len(tags)} for {n}); build the batch with "
+                    "to_token_batch from a table with env_tag"
+                )
+        if turn_scores is not None and (alg.bi_level_gae or alg.use_turn_scores):
             if turn_scores.dim() != 2 or turn_scores.shape[0] != n:
                 raise BadBatchError(f"turn_scores must be (B={n}, K), got {tuple(turn_scores.shape)}")
             bad = ~torch.isfinite(turn_scores.double())
@@ -468,6 +490,60 @@ class Learner:
         dense = torch.cumsum(new_turn.long(), dim=1) - 1
         return torch.where(mask, dense, torch.zeros_like(dense))
 
+    def _turn_rewards(
+        self, batch: TokenBatch, turn_scores: torch.Tensor | None, mask: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(turns, turn_rewards)``: each row's trained turns numbered 0, 1, ... (``_dense_turns``) and
+        the reward of each, (B, K): the batch's turn scores, or without them the trajectory score on
+        its last trained turn."""
+        turns = self._dense_turns(batch.turn_index[:, : mask.shape[1]].to(self.device), mask)
+        n_turns = int(turns.max()) + 1
+        if turn_scores is None:  # the trajectory score on its last trained turn
+            turn_rewards = torch.zeros(mask.shape[0], n_turns, dtype=dtype, device=self.device)
+            last_turn = torch.where(mask, turns, torch.zeros_like(turns)).max(dim=1).values
+            turn_rewards[torch.arange(mask.shape[0], device=self.device), last_turn] = batch.scores.to(
+                self.device, dtype
+            )
+        else:
+            turn_rewards = torch.zeros(
+                mask.shape[0], max(n_turns, turn_scores.shape[1]), dtype=dtype, device=self.device
+            )
+            turn_rewards[:, : turn_scores.shape[1]] = turn_scores.to(self.device, dtype)
+        return turns, turn_rewards
+
+    def _score_groups(self, batch: TokenBatch) -> torch.Tensor | tuple[str, ...] | list[int]:
+        """The group key of each row for reward normalisation (``reward_normalization.grouping``)."""
+        grouping = self.cfg.algorithm.reward_normalization.grouping
+        if grouping == "state":
+            return batch.group_ids
+        if grouping == "inductive":
+            return cast("tuple[str, ...]", batch.env_tags)  # checked by _check_batch
+        return [0] * len(batch.scores)
+
+    def _advantage_options(
+        self, advantages: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, batch: TokenBatch
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """RAGEN-2's options applied to the estimator's advantages, in its order: soft reweighting by
+        the group's score std, division by the relative length (both GRPO only), zeroing."""
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if alg.soft_advantage_reweight:
+            group_ids = batch.group_ids.to(self.device)
+            weight = soft_advantage_weights(token_rewards.sum(dim=1), group_ids)  # GRPO's own scores
+            advantages = advantages * weight[:, None]
+            first: dict[int, int] = {}  # one weight per group, as RAGEN-2 reports them
+            for row, g in enumerate(group_ids.tolist()):
+                first.setdefault(g, row)
+            per_group = weight[list(first.values())]
+            metrics["train/soft_reweight_min"] = float(per_group.min())
+            metrics["train/soft_reweight_max"] = float(per_group.max())
+            metrics["train/soft_reweight_mean"] = float(per_group.mean())
+        if alg.grpo_advantage_length_weight:
+            advantages = length_weight(advantages, mask)
+        if alg.zero_task_advantage:
+            advantages = torch.zeros_like(advantages)
+        return advantages, metrics
+
     def _advantages(
         self,
         token_rewards: torch.Tensor,
@@ -482,24 +558,7 @@ class Learner:
         if alg.adv_estimator == "gae":
             assert values is not None
             if alg.bi_level_gae:
-                turns = self._dense_turns(batch.turn_index[:, : mask.shape[1]].to(self.device), mask)
-                n_turns = int(turns.max()) + 1
-                if turn_scores is None:  # the trajectory score on its last trained turn
-                    turn_rewards = torch.zeros(
-                        mask.shape[0], n_turns, dtype=token_rewards.dtype, device=self.device
-                    )
-                    last_turn = torch.where(mask, turns, torch.zeros_like(turns)).max(dim=1).values
-                    turn_rewards[torch.arange(mask.shape[0], device=self.device), last_turn] = (
-                        batch.scores.to(self.device, token_rewards.dtype)
-                    )
-                else:
-                    turn_rewards = torch.zeros(
-                        mask.shape[0],
-                        max(n_turns, turn_scores.shape[1]),
-                        dtype=token_rewards.dtype,
-                        device=self.device,
-                    )
-                    turn_rewards[:, : turn_scores.shape[1]] = turn_scores.to(self.device, token_rewards.dtype)
+                turns, turn_rewards = self._turn_rewards(batch, turn_scores, mask, token_rewards.dtype)
                 if kl is not None:  # the in-reward KL of a turn's tokens is charged to that turn
                     turn_rewards = turn_rewards.scatter_add(1, turns, -alg.kl_coef * kl * maskf)
                 adv, ret = bilevel_gae(
@@ -584,20 +643,30 @@ class Learner:
             values = self._infer(lambda ids, m: self._values(ids), input_ids, mask, lengths, fdtype) * maskf
             timing["values"] = time.perf_counter() - t
 
-        # 2. token rewards: the score on the last trained token (- KL penalty) -------------------
+        # 2. token rewards: the (normalised) score on the last trained token, or each trained turn's
+        #    score on its last token (use_turn_scores); - KL penalty ----------------------------------
         t = time.perf_counter()
-        positions = torch.arange(mask.shape[1], device=dev)
-        last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
-        token_rewards = torch.zeros_like(maskf)
-        token_rewards[torch.arange(n_seq, device=dev), last] = scores
+        norm = alg.reward_normalization
+        if alg.use_turn_scores:
+            turns, turn_rewards = self._turn_rewards(batch, turn_scores, mask, fdtype)
+            token_rewards = turn_rewards_to_tokens(turn_rewards, mask, turns)
+        else:
+            rewarded = (
+                normalize_scores(scores, self._score_groups(batch), norm.method) if norm.active else scores
+            )
+            positions = torch.arange(mask.shape[1], device=dev)
+            last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+            token_rewards = torch.zeros_like(maskf)
+            token_rewards[torch.arange(n_seq, device=dev), last] = rewarded
         kl_in_reward = None
         if alg.use_kl_in_reward:
             assert ref_logp is not None
             kl_in_reward = kl_penalty(old_logp, ref_logp, alg.kl_in_reward_type) * maskf
             token_rewards = token_rewards - alg.kl_coef * kl_in_reward
 
-        # 3. advantages ---------------------------------------------------------------------------
+        # 3. advantages, then RAGEN-2's options on them ----------------------------------------------
         advantages, returns = self._advantages(token_rewards, kl_in_reward, values, mask, batch, turn_scores)
+        advantages, option_metrics = self._advantage_options(advantages, token_rewards, mask, batch)
         if advantage_scale != 1.0:
             advantages = advantages * advantage_scale
         timing["adv"] = time.perf_counter() - t
@@ -650,6 +719,7 @@ class Learner:
         # 6. metrics ---------------------------------------------------------------------------------
         acc.reduce(self.world_size, dev)
         metrics = self._metrics(acc, data, scores, token_rewards, maskf, batch, ref_logp)
+        metrics.update(option_metrics)
         step_s = time.perf_counter() - t_start
         for k, v in timing.items():
             metrics[f"timing_s/{k}"] = v

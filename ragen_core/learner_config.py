@@ -13,7 +13,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ragen_core.algorithms import AGG_MODES, KL_KINDS
 
-__all__ = ["AlgorithmConfig", "LearnerConfig", "LoraConfig", "OptimConfig"]
+__all__ = ["AlgorithmConfig", "LearnerConfig", "LoraConfig", "OptimConfig", "RewardNormalizationConfig"]
+
+
+class RewardNormalizationConfig(BaseModel):
+    """RAGEN-2's reward normalisation: trajectory scores rescaled within groups before the advantages
+    (``ragen_core.algorithms.normalize_scores``; docs/architecture.md, "Learner step")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    grouping: Literal["state", "batch", "inductive"] = Field(
+        default="state",
+        description="which trajectories share statistics: state (one initial state, the rollout group), "
+        "inductive (one environment tag), batch (the learner's whole batch)",
+    )
+    method: Literal["identity", "mean", "mean_std", "asym_clip"] = Field(
+        default="identity",
+        description="identity (scores as they are), mean (minus the group mean), mean_std (minus the mean, "
+        "over the std; 0 for a group without spread), asym_clip (mean_std clamped to [-1, 3])",
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.method != "identity"
 
 
 class AlgorithmConfig(BaseModel):
@@ -66,6 +88,30 @@ class AlgorithmConfig(BaseModel):
     )
     kl_coef: float = Field(default=0.0, ge=0.0, description="coefficient of the in-reward KL penalty")
     kl_in_reward_type: str = Field(default="k1", description="KL estimator of the in-reward penalty")
+    reward_normalization: RewardNormalizationConfig = Field(
+        default_factory=RewardNormalizationConfig,
+        description="RAGEN-2's reward normalisation of the trajectory scores (off: method identity)",
+    )
+    use_turn_scores: bool = Field(
+        default=False,
+        description="reward each trained turn on its last token (its env reward + format penalty) instead of "
+        "the trajectory score on the last token; GRPO / RLOO then use the sum of the trained turns' scores. "
+        "bi_level_gae always reads the turn scores",
+    )
+    soft_advantage_reweight: bool = Field(
+        default=False,
+        description="GRPO: scale each group's advantages by its score std over the largest group std, "
+        "down-weighting low-variance groups instead of filtering them",
+    )
+    grpo_advantage_length_weight: bool = Field(
+        default=False,
+        description="GRPO: divide each trajectory's advantages by its trained-token count over the batch mean",
+    )
+    zero_task_advantage: bool = Field(
+        default=False,
+        description="ablation: set every advantage to 0, so only the entropy and KL terms move the policy "
+        "(the critic still trains)",
+    )
 
     @field_validator("loss_agg_mode")
     @classmethod
@@ -93,6 +139,25 @@ class AlgorithmConfig(BaseModel):
         if self.bi_level_gae and self.adv_estimator != "gae":
             raise ValueError(
                 f"algorithm.bi_level_gae=true needs algorithm.adv_estimator=gae (got {self.adv_estimator!r})"
+            )
+        for key in ("soft_advantage_reweight", "grpo_advantage_length_weight"):
+            if getattr(self, key) and self.adv_estimator != "grpo":
+                raise ValueError(
+                    f"algorithm.{key}=true needs algorithm.adv_estimator=grpo (got {self.adv_estimator!r}); "
+                    f"set adv_estimator grpo or {key} false"
+                )
+        norm = self.reward_normalization
+        if norm.active and self.use_turn_scores:
+            raise ValueError(
+                f"algorithm.reward_normalization.method={norm.method!r} normalises trajectory scores, but "
+                "algorithm.use_turn_scores=true rewards each turn instead (RAGEN-2 skips the normalisation "
+                "then); set reward_normalization.method identity or use_turn_scores false"
+            )
+        if norm.active and self.bi_level_gae:
+            raise ValueError(
+                f"algorithm.reward_normalization.method={norm.method!r} normalises trajectory scores, but "
+                "algorithm.bi_level_gae=true reads each turn's own score; set reward_normalization.method "
+                "identity or bi_level_gae false"
             )
         return self
 

@@ -235,6 +235,8 @@ class TokenBatch:
     #: (B, K) float32: env reward + format penalty of each *trained* assistant turn, 0-padded
     #: (bi-level GAE; column k is the k-th trained turn of the row)
     turn_scores: torch.Tensor | None = None
+    #: (B,) the environment tag of each row (reward normalisation with grouping ``inductive``)
+    env_tags: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -264,6 +266,7 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
         scores=torch.tensor(cols["score"], dtype=torch.float32),
         group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
         turn_scores=_turn_scores(cols) if "turn_rewards" in cols else None,
+        env_tags=tuple(cols["env_tag"]) if "env_tag" in cols else None,
     )
 
 

@@ -5,7 +5,17 @@ per-trajectory ``(N,)`` scores with group ids) and returns tensors; each docstri
 formula. Public contract: docs/architecture.md, "Algorithms contract".
 """
 
-from ragen_core.algorithms.advantages import bilevel_gae, gae, grpo, reinforce_pp, rloo, whiten
+from ragen_core.algorithms.advantages import (
+    bilevel_gae,
+    gae,
+    grpo,
+    length_weight,
+    reinforce_pp,
+    rloo,
+    soft_advantage_weights,
+    turn_rewards_to_tokens,
+    whiten,
+)
 from ragen_core.algorithms.filter_metrics import (
     FILTER_METRICS,
     SPREAD_FILTER_METRICS,
@@ -45,6 +55,7 @@ from ragen_core.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from ragen_core.algorithms.normalization import NORM_GROUPINGS, NORM_METHODS, normalize_scores
 
 __all__ = [
     "AGG_MODES",
@@ -54,6 +65,8 @@ __all__ = [
     "FILTER_STRATEGIES",
     "KL_KINDS",
     "LOSS_SCALINGS",
+    "NORM_GROUPINGS",
+    "NORM_METHODS",
     "SPREAD_FILTER_METRICS",
     "TOKEN_FILTER_METRICS",
     "TOP_P_MODES",
@@ -73,8 +86,10 @@ __all__ = [
     "grpo",
     "kept_group_count",
     "kl_penalty",
+    "length_weight",
     "masked_mean",
     "min_p_groups",
+    "normalize_scores",
     "policy_loss",
     "reinforce_pp",
     "response_lengths",
@@ -82,8 +97,10 @@ __all__ = [
     "sampled_token_entropy",
     "select_by_value",
     "select_groups",
+    "soft_advantage_weights",
     "top_k_groups",
     "top_p_groups",
+    "turn_rewards_to_tokens",
     "value_loss",
     "whiten",
 ]

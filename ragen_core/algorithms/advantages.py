@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, bi-level (turn-level) GAE, GRPO, RLOO, REINFORCE++, and whitening.
+"""Advantage estimators (GAE, bi-level GAE, GRPO, RLOO, REINFORCE++), whitening, and the reweightings
+and reward placements that RAGEN-2 applies around them.
 
 Conventions (shared by every function here):
 
@@ -29,7 +30,17 @@ from ragen_core.algorithms._utils import (
     group_moments,
 )
 
-__all__ = ["bilevel_gae", "gae", "grpo", "reinforce_pp", "rloo", "whiten"]
+__all__ = [
+    "bilevel_gae",
+    "gae",
+    "grpo",
+    "length_weight",
+    "reinforce_pp",
+    "rloo",
+    "soft_advantage_weights",
+    "turn_rewards_to_tokens",
+    "whiten",
+]
 
 
 def _masked_gae_scan(
@@ -114,6 +125,38 @@ def gae(
     return advantages, returns
 
 
+def _turn_ends(
+    turn_rewards: torch.Tensor, on: torch.Tensor, turn_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check per-turn rewards against the turn structure; return ``(turn_index, end, present)``.
+
+    ``end[b, k]`` is the last masked position of turn k of row b (-1 when the turn has no masked
+    token, then ``present[b, k]`` is False). Raises ValueError for a non-finite reward, a turn index
+    outside [0, K) or decreasing along a row's masked tokens, and a non-zero reward of an absent turn.
+    """
+    if turn_index.is_floating_point():
+        raise ValueError(f"turn_index must be an integer tensor, got {turn_index.dtype}")
+    check_finite(turn_rewards, "reward")
+    batch, length = on.shape
+    n_turns = turn_rewards.shape[1]
+    turn_index = turn_index.long()
+    if bool((on & ((turn_index < 0) | (turn_index >= n_turns))).any()):
+        raise ValueError(
+            f"turn_index must lie in [0, {n_turns}) on masked tokens (turn_rewards has {n_turns})"
+        )
+    running = torch.where(on, turn_index, torch.full_like(turn_index, -1)).cummax(dim=1).values
+    if bool((on & (turn_index < running)).any()):
+        raise ValueError("turn_index must be non-decreasing along each row's masked tokens")
+    positions = torch.arange(length, device=on.device).expand(batch, length)
+    bucket = torch.where(on, turn_index, torch.full_like(turn_index, n_turns))  # unmasked -> dummy K
+    end = torch.full((batch, n_turns + 1), -1, dtype=torch.long, device=on.device)
+    end = end.scatter_reduce(1, bucket, positions, reduce="amax", include_self=True)[:, :n_turns]
+    present = end >= 0
+    if bool(((turn_rewards != 0) & ~present).any()):
+        raise ValueError("turn_rewards are non-zero for turns that have no masked token")
+    return turn_index, end, present
+
+
 @torch.no_grad()
 def bilevel_gae(
     turn_rewards: torch.Tensor,
@@ -157,31 +200,13 @@ def bilevel_gae(
             f"shape mismatch: turn_rewards {tuple(turn_rewards.shape)} and values {tuple(values.shape)} "
             "must have the same batch size"
         )
-    if turn_index.is_floating_point():
-        raise ValueError(f"turn_index must be an integer tensor, got {turn_index.dtype}")
     on = mask != 0
     turn_rewards, values = as_float(turn_rewards), as_float(values)
     check_finite(turn_rewards, "reward")
     check_finite(values, "value", where=on)
-    batch, length = values.shape
+    turn_index, end, present = _turn_ends(turn_rewards, on, turn_index)
     n_turns = turn_rewards.shape[1]
-    turn_index = turn_index.long()
-    if bool((on & ((turn_index < 0) | (turn_index >= n_turns))).any()):
-        raise ValueError(
-            f"turn_index must lie in [0, {n_turns}) on masked tokens (turn_rewards has {n_turns})"
-        )
-    running = torch.where(on, turn_index, torch.full_like(turn_index, -1)).cummax(dim=1).values
-    if bool((on & (turn_index < running)).any()):
-        raise ValueError("turn_index must be non-decreasing along each row's masked tokens")
-
-    # End position of every turn (-1 if the turn has no masked token).
-    positions = torch.arange(length, device=values.device).expand(batch, length)
-    bucket = torch.where(on, turn_index, torch.full_like(turn_index, n_turns))  # unmasked -> dummy K
-    end = torch.full((batch, n_turns + 1), -1, dtype=torch.long, device=values.device)
-    end = end.scatter_reduce(1, bucket, positions, reduce="amax", include_self=True)[:, :n_turns]
-    present = end >= 0
-    if bool(((turn_rewards != 0) & ~present).any()):
-        raise ValueError("turn_rewards are non-zero for turns that have no masked token")
+    positions = torch.arange(values.shape[1], device=values.device).expand_as(values)
 
     # High level: GAE across turn ends.
     end_values = torch.where(present, values.gather(1, end.clamp_min(0)), torch.zeros_like(turn_rewards))
@@ -312,3 +337,89 @@ def reinforce_pp(
         rewards = rewards - kl_coef * torch.where(mask != 0, as_float(kl), torch.zeros_like(rewards))
     _, returns = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
     return whiten(returns, mask), returns
+
+
+@torch.no_grad()
+def turn_rewards_to_tokens(
+    turn_rewards: torch.Tensor, mask: torch.Tensor, turn_index: torch.Tensor
+) -> torch.Tensor:
+    """Per-turn rewards as token rewards: each turn's reward on its last masked token (RAGEN-2's
+    ``use_turn_scores``).
+
+        r_t = R_k   if t = e_k (the last masked token of turn k),   else 0
+
+    ``turn_index`` numbers the masked tokens' turns in [0, K), non-decreasing along a row (as for
+    ``bilevel_gae``); a turn without masked tokens must have reward 0 (it would be lost).
+
+    Args:
+        turn_rewards: (B, K) reward of each turn, 0-padded. mask, turn_index: (B, T).
+    Returns:
+        (B, T) token rewards, zero outside the mask; Σ_t r_t = Σ_k R_k for every row.
+    """
+    check_ndim("turn_rewards", turn_rewards, 2)
+    check_ndim("mask", mask, 2)
+    check_same_shape(mask=mask, turn_index=turn_index)
+    if turn_rewards.shape[0] != mask.shape[0]:
+        raise ValueError(
+            f"shape mismatch: turn_rewards {tuple(turn_rewards.shape)} and mask {tuple(mask.shape)} "
+            "must have the same batch size"
+        )
+    on = mask != 0
+    turn_rewards = as_float(turn_rewards)
+    _, end, present = _turn_ends(turn_rewards, on, turn_index)
+    out = torch.zeros(on.shape, dtype=turn_rewards.dtype, device=turn_rewards.device)
+    rows, turns = torch.nonzero(present, as_tuple=True)
+    out[rows, end[rows, turns]] = turn_rewards[rows, turns]
+    return out
+
+
+@torch.no_grad()
+def soft_advantage_weights(
+    scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable], eps: float = 1e-6
+) -> torch.Tensor:
+    """Per-trajectory weights of RAGEN-2's ``soft_advantage_reweight``: a group's weight grows with its
+    score spread, so low-variance groups are down-weighted instead of filtered out.
+
+        w_i = std_g / (max_h std_h + eps)      (g the group of i; std unbiased)
+
+    A group of one has no spread: std := 0 (it neither gets weight nor sets the maximum; its GRPO
+    advantage is 0 anyway). All groups without spread give w = 0.
+
+    Args:
+        scores: (N,) the scores the group advantage is computed from. group_ids: N group keys.
+    Returns:
+        (N,) weights in [0, 1).
+    """
+    scores = _per_trajectory_scores(scores)
+    index, n_groups = group_index(group_ids, scores.shape[0])
+    if n_groups == 0:
+        return torch.zeros_like(scores)
+    count, _, std = group_moments(scores, index, n_groups)
+    std = torch.where(count > 1, std, torch.zeros_like(std))
+    weights = std / (std.max() + eps)
+    return weights[index.to(scores.device)]
+
+
+@torch.no_grad()
+def length_weight(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages divided by each trajectory's relative length (RAGEN-2's ``grpo_advantage_length_weight``).
+
+        L_i = Σ_t m_it,    A'_it = A_it · mean_j(L_j) / (L_i + eps)
+
+    so every trajectory contributes about the same total advantage to a token-mean loss, whatever
+    its length. Zero outside the mask.
+
+    Args:
+        advantages, mask: (B, T).
+    Returns:
+        (B, T) reweighted advantages.
+    """
+    check_ndim("advantages", advantages, 2)
+    check_same_shape(advantages=advantages, mask=mask)
+    on = mask != 0
+    advantages = as_float(advantages)
+    if on.shape[0] == 0:
+        return torch.zeros_like(advantages)
+    lengths = on.sum(dim=1).to(advantages.dtype)
+    relative = (lengths + eps) / lengths.mean()
+    return torch.where(on, advantages / relative[:, None], torch.zeros_like(advantages))

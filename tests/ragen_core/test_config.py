@@ -73,6 +73,53 @@ def test_grpo_needs_groups() -> None:
         )
 
 
+#: one trajectory per group (8 groups of 1, all kept), or a single trajectory per tag too
+SINGLES = ["train.group_size=1", "rollout.filter_ratio=1", "learner.optim.mini_batch_size=1"]
+ONE_ROW = [*SINGLES, "train.n_groups=[1]"]
+NORM = "learner.algorithm.reward_normalization"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "grouping"),
+    [(SINGLES, "state"), (SINGLES, "inductive"), (ONE_ROW, "inductive"), (ONE_ROW, "batch")],
+)
+def test_normalisation_without_groups_to_normalise_is_refused(overrides: list[str], grouping: str) -> None:
+    asked = [*overrides, f"{NORM}.method=mean_std", f"{NORM}.grouping={grouping}"]
+    if grouping == "inductive" and overrides is SINGLES:  # 8 trajectories of one tag: a group of 8
+        assert load_config(overrides=asked).learner.algorithm.reward_normalization.active
+        return
+    fix = rf"grouping '{grouping}' only sees groups of one trajectory.*set train\.group_size>=2"
+    with pytest.raises(ConfigError, match=fix):
+        load_config(overrides=asked)
+    load_config(overrides=[*overrides, f"{NORM}.grouping={grouping}"])  # identity needs no groups
+
+
+def test_a_stored_config_from_before_the_ragen2_options_loads_and_resumes(tmp_path: Path) -> None:
+    import yaml
+
+    from ragen_core.integrity import record
+    from ragen_core.resume import resume_config
+    from ragen_core.run_dir import RunDir
+
+    cfg = load_config()
+    data = cfg.model_dump(mode="json")
+    for key in (
+        "reward_normalization",
+        "use_turn_scores",
+        "soft_advantage_reweight",
+        "grpo_advantage_length_weight",
+        "zero_task_advantage",
+    ):
+        del data["learner"]["algorithm"][key]  # as the version before these keys wrote it
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    record(path)
+    stored = RunDir(tmp_path).config()
+    assert stored == cfg
+    _, changes = resume_config(tmp_path, stored, 0, overrides=["trainer.iterations=9"])
+    assert changes == {"trainer.iterations": (str(cfg.trainer.iterations), "9")}
+
+
 def test_yaml_round_trip_and_hash(tmp_path: Path) -> None:
     cfg = load_config(
         overrides=[

@@ -46,3 +46,54 @@ def test_config_errors_name_the_key():
         AlgorithmConfig(loss_agg_mode="sum")
     with pytest.raises(ValueError, match="micro_batch_size"):
         OptimConfig(micro_batch_size=0)
+
+
+def test_ragen2_options_default_to_todays_behaviour():
+    a = AlgorithmConfig()
+    assert (a.reward_normalization.grouping, a.reward_normalization.method) == ("state", "identity")
+    assert not a.reward_normalization.active
+    assert (a.use_turn_scores, a.soft_advantage_reweight, a.grpo_advantage_length_weight) == (
+        False,
+        False,
+        False,
+    )
+    assert a.zero_task_advantage is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"soft_advantage_reweight": True},
+            r"algorithm\.soft_advantage_reweight=true needs algorithm\.adv_estimator=grpo \(got 'gae'\)",
+        ),
+        (
+            {"adv_estimator": "rloo", "grpo_advantage_length_weight": True},
+            r"grpo_advantage_length_weight=true needs algorithm\.adv_estimator=grpo \(got 'rloo'\)",
+        ),
+        (
+            {"reward_normalization": {"method": "mean_std"}, "use_turn_scores": True},
+            r"reward_normalization\.method='mean_std' normalises trajectory scores.*use_turn_scores false",
+        ),
+        (
+            {"reward_normalization": {"method": "asym_clip"}, "bi_level_gae": True},
+            r"reward_normalization\.method='asym_clip'.*bi_level_gae false",
+        ),
+        ({"reward_normalization": {"grouping": "tag"}}, "grouping"),
+        ({"reward_normalization": {"method": "z"}}, "method"),
+    ],
+)
+def test_ragen2_options_mixed_wrongly_name_the_key_and_the_fix(fields, message):
+    with pytest.raises(ValueError, match=message):
+        AlgorithmConfig.model_validate(fields)
+
+
+def test_ragen2_options_that_fit_together_load():
+    AlgorithmConfig(
+        adv_estimator="grpo",
+        soft_advantage_reweight=True,
+        grpo_advantage_length_weight=True,
+        reward_normalization={"grouping": "inductive", "method": "asym_clip"},
+        zero_task_advantage=True,
+    )
+    AlgorithmConfig(bi_level_gae=True, use_turn_scores=True)  # bi-level reads turn scores anyway
