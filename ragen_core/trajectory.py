@@ -213,9 +213,13 @@ def schema_version(path: str | os.PathLike[str]) -> str:
 
 
 def read_trajectories(path: str | os.PathLike[str]) -> list[Trajectory]:
-    rows = read_table(path).to_pylist()
+    return from_table(read_table(path))
+
+
+def from_table(table: pa.Table) -> list[Trajectory]:
+    """The trajectories of a table (of ``read_table``, or rows taken from one), in row order."""
     out = []
-    for r in rows:
+    for r in table.to_pylist():
         r["info"] = json.loads(r["info"]) if r["info"] else {}
         out.append(Trajectory(**r))
     return out

@@ -12,22 +12,25 @@ import html
 from pathlib import Path
 from typing import Any
 
-from ragen_core.trajectory import read_trajectories
+import pyarrow as pa
+
+from ragen_core.trajectory import from_table, read_table
 
 
 def transcript_rows(path: Path, n: int, kept_rows: list[int] | None = None) -> list[dict[str, Any]]:
     """Up to ``n`` episodes of a rollouts file, one per group (kept groups first, in file order), as
     rows: tag, seed, group, filter decision (``kept``/``dropped``; empty without a filter), success,
     score, turns, actions, the conversation after the system prompt as text, and its messages."""
-    trajectories = read_trajectories(path)
+    table = read_table(path)  # only the rows shown are decoded: this runs every iteration
     kept = set(kept_rows) if kept_rows is not None else None
     first: dict[int, int] = {}
-    for i, t in enumerate(trajectories):
-        first.setdefault(t.group_id, i)
+    for i, g in enumerate(table.column("group_id").to_pylist()):
+        first.setdefault(g, i)
     order = sorted(first.values(), key=lambda i: (kept is not None and i not in kept, i))
+    shown = dict(zip(order[:n], from_table(table.take(pa.array(order[:n], type=pa.int64()))), strict=True))
     rows = []
     for i in order[:n]:
-        t = trajectories[i]
+        t = shown[i]
         rows.append(
             {
                 "env_tag": t.env_tag,
