@@ -18,6 +18,7 @@ import torch
 
 from ragen_core import stage_record
 from ragen_core.algorithms import group_std_stats, select_groups
+from ragen_core.collapse_probe import collapse_due, collapse_metrics
 from ragen_core.config import RagenConfig
 from ragen_core.faults import crash_point
 from ragen_core.integrity import record_tree, verify_tree
@@ -183,9 +184,17 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     if stored is not None:
         return stored["metrics"]
     session.restore(start)
-    table = read_table(rollouts).take(pa.array(kept, type=pa.int64()))
+    table = read_table(rollouts)
+    # Before the update and over all groups, kept or not (as RAGEN-2): the policy that played them.
+    probe = (
+        collapse_metrics(table, session.learner.cross_logprobs, cfg.monitor)
+        if collapse_due(cfg.monitor, k)
+        else {}
+    )
+    table = table.take(pa.array(kept, type=pa.int64()))
     t0 = time.perf_counter()
     metrics = session.learner.step(to_token_batch(table))
+    metrics.update(probe)
     metrics["timing_s/update"] = time.perf_counter() - t0
     crash_point("learn", k)
     t0 = time.perf_counter()
