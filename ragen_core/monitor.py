@@ -131,7 +131,10 @@ class MonitorConfig(BaseModel):
         default=10, ge=1, description="iterations in a row the std must stay below the ratio x baseline"
     )
     var_collapse_ratio: float | None = Field(
-        default=None, gt=0.0, lt=1.0, description="fires when std < ratio x baseline for var_window iterations"
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description="fires when std < ratio x baseline for var_window iterations",
     )
 
     val_key: str = Field(default="val-env/success", description="validation success metric")
@@ -147,8 +150,9 @@ class MonitorConfig(BaseModel):
     val_drop_checks: int = Field(default=2, ge=1, description="validations in a row below the ratio")
 
     # The collapse metrics (ragen_core/collapse_probe.py): measured, logged as collapse/*, not a signal.
+    # RAGEN-2's compute_freq (config/base.yaml): the cost is measured in docs/metrics.md, "Collapse metrics".
     collapse_every: int = Field(
-        default=1,
+        default=5,
         ge=0,
         description="compute collapse/* metrics at iteration 1 and every N iterations (0: off)",
     )

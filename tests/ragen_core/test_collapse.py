@@ -33,7 +33,9 @@ def test_collapse_stats_match_hand_values() -> None:
     assert out["mi_zscore"] == pytest.approx(sum(g / (std + 1e-3) for g in gap) / 2)
     s0 = -2 + math.log(1 + math.exp(-2)) - LN2  # logsumexp(-2, -4) - ln 2
     s1 = -2 + math.log(1 + math.exp(-4)) - LN2  # logsumexp(-6, -2) - ln 2
-    assert out["mi_seq_estimate"] == pytest.approx((-2 - s0 + -2 - s1) / 2) == pytest.approx(0.620608, abs=1e-6)
+    assert (
+        out["mi_seq_estimate"] == pytest.approx((-2 - s0 + -2 - s1) / 2) == pytest.approx(0.620608, abs=1e-6)
+    )
     assert out["conditional_entropy_seq_est"] == pytest.approx(2.0)
     assert out["retrieval_accuracy"] == 1.0 and out["retrieval_chance_level"] == 0.5
     assert out["retrieval_above_chance"] == 0.5
@@ -115,7 +117,9 @@ def test_first_turn_pair_and_the_deterministic_sample() -> None:
     def score(prompts, responses):  # log p(z | x) = -1 when z follows "its" prompt class, else -3
         seen.append((list(prompts), list(responses)))
         own = {10: 0, 11: 0, 13: 1, 15: 0}
-        return torch.tensor([[-1.0 if own[z[0]] == j else -3.0 for j in range(len(prompts))] for z in responses])
+        return torch.tensor(
+            [[-1.0 if own[z[0]] == j else -3.0 for j in range(len(prompts))] for z in responses]
+        )
 
     out = collapse_metrics(table, score, MonitorConfig(collapse_prompts=3, collapse_responses_per_prompt=2))
     assert seen == [([[1, 2], [3, 4]], [[10], [11], [13], [15]])]  # each distinct prompt scored once
@@ -133,4 +137,5 @@ def test_collapse_due_and_off_switch() -> None:
     cfg = MonitorConfig(collapse_every=5)
     assert [k for k in range(0, 12) if collapse_due(cfg, k)] == [1, 5, 10]
     assert not any(collapse_due(MonitorConfig(collapse_every=0), k) for k in range(10))
-    assert [k for k in range(0, 4) if collapse_due(MonitorConfig(), k)] == [1, 2, 3]
+    assert [k for k in range(0, 11) if collapse_due(MonitorConfig(), k)] == [1, 5, 10]  # RAGEN-2's every 5
+    assert [k for k in range(0, 4) if collapse_due(MonitorConfig(collapse_every=1), k)] == [1, 2, 3]
