@@ -139,3 +139,24 @@ def test_collapse_due_and_off_switch() -> None:
     assert not any(collapse_due(MonitorConfig(collapse_every=0), k) for k in range(10))
     assert [k for k in range(0, 11) if collapse_due(MonitorConfig(), k)] == [1, 5, 10]  # RAGEN-2's every 5
     assert [k for k in range(0, 4) if collapse_due(MonitorConfig(collapse_every=1), k)] == [1, 2, 3]
+
+
+def test_learner_cross_logprobs_equal_a_plain_forward_pass() -> None:
+    from ragen_core.learner import Learner
+    from ragen_core.learner_config import LearnerConfig, OptimConfig
+    from tests.ragen_core.test_learner import tiny_policy
+
+    learner = Learner(tiny_policy(), LearnerConfig(optim=OptimConfig(micro_batch_size=3, mini_batch_size=4)))
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [8], [9, 10, 11]]
+    got = learner.cross_logprobs(prompts, responses)
+    assert got.shape == (3, 2) and got.dtype == torch.float64
+    for i, z in enumerate(responses):
+        for j, x in enumerate(prompts):
+            ids = torch.tensor([x + z])
+            with torch.no_grad():
+                logp = torch.log_softmax(learner.policy(input_ids=ids).logits[0].double(), dim=-1)
+            want = sum(float(logp[len(x) + t - 1, tok]) for t, tok in enumerate(z))
+            assert float(got[i, j]) == pytest.approx(want, abs=1e-4), (i, j)
+    assert all(torch.equal(v, learner.policy.state_dict()[k]) for k, v in before.items())  # weights untouched
+    assert learner.cross_logprobs([], responses).shape == (3, 0)
