@@ -257,6 +257,10 @@ class LearnerWorker:
         assert self.learner is not None
         return self.learner.policy_state_dict()
 
+    def cross_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+        assert self.learner is not None
+        return self.learner.cross_logprobs(prompts, responses)
+
     def save_checkpoint(self, path: str, iteration: int, extra: dict[str, Any] | None = None) -> str | None:
         assert self.learner is not None
         out = None
@@ -387,6 +391,10 @@ class LearnerGroup:
         """One learner step on the whole (filtered) batch; returns rank 0's (global) metrics."""
         ref = ray.put(batch)
         return _get_all([a.step.remote(ref, turn_scores, advantage_scale) for a in self.actors])[0]
+
+    def cross_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+        """``Learner.cross_logprobs`` on every learner (each scores its share of the rows); rank 0's result."""
+        return _get_all([a.cross_logprobs.remote(prompts, responses) for a in self.actors])[0]
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full weights (CPU tensors, plain model names; LoRA merged) for rollout actors."""

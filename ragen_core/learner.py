@@ -41,7 +41,7 @@ import copy
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -382,6 +382,34 @@ class Learner:
         if self.world_size > 1:
             dist.all_reduce(out)
         return out
+
+    @torch.no_grad()
+    def cross_logprobs(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Summed log-prob of every response after every prompt under the current policy, ``(R, P)``
+        float64 on the CPU: entry [i, j] = Σ_t log π(z_i,t | x_j, z_i,<t) (teacher forcing, temperature
+        1). The collapse metrics' input (``ragen_core.collapse_probe``); no gradient, no RNG."""
+        n_r, n_p = len(responses), len(prompts)
+        if n_r == 0 or n_p == 0:
+            return torch.zeros(n_r, n_p, dtype=torch.float64)
+        seqs = [(list(x) + list(z), len(x)) for z in responses for x in prompts]  # row i * P + j
+        lengths = torch.tensor([len(s) for s, _ in seqs], dtype=torch.int64)
+        width = int(lengths.max())
+        input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+        for r, (s, start) in enumerate(seqs):
+            input_ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[r, start : len(s)] = True
+        fdtype = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
+        logp = self._infer(
+            lambda ids, m: self._logprobs(self.policy, ids, m)[0],
+            input_ids.to(self.device),
+            mask.to(self.device),
+            lengths.to(self.device),
+            fdtype,
+        )
+        return logp.double().sum(dim=1).reshape(n_r, n_p).cpu()
 
     # ---------------------------------------------------------------- checks
 

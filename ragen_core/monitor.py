@@ -18,6 +18,18 @@ reasoning; Table 1) and that three training statistics announce it:
   ``entropy_blowup_ratio`` x it (the initial value is the mean of the first
   ``entropy_init_window`` values).
 
+RAGEN-2 (``ragen/trainer/agent_trainer.py``) adds two early-stop rules, kept here as signals, and
+this project one calibrated on its own runs (docs/metrics.md, "Echo-Trap signals"):
+
+* **reward variance collapse** -- the in-group reward std stays below ``var_collapse_ratio`` x its
+  baseline (the mean of its first ``var_baseline_steps`` values) for ``var_window`` iterations.
+* **low validation success** -- ``val_key`` below ``low_success_threshold`` for
+  ``low_success_checks`` validations in a row.
+* **validation success drop** -- ``val_key`` below ``val_drop_ratio`` x its warm-start value (the
+  first validation the monitor sees: step 0's, before training) for ``val_drop_checks``
+  validations in a row. Validation runs only every ``trainer.eval_every`` iterations: a signal on it
+  lags by up to that many.
+
 A signal fires once when its condition starts (after ``patience`` consecutive iterations for the
 std and entropy conditions) and re-arms when the condition clears. ``Signal.step`` is the *onset*:
 the first iteration of the run of iterations that met the condition, which is what a sweep report
@@ -41,12 +53,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SignalName = Literal["reward_std_collapse", "grad_norm_spike", "entropy_collapse", "entropy_blowup"]
+SignalName = Literal[
+    "reward_std_collapse",
+    "grad_norm_spike",
+    "entropy_collapse",
+    "entropy_blowup",
+    "reward_variance_collapse",
+    "low_val_success",
+    "val_success_drop",
+]
 SIGNAL_NAMES: tuple[str, ...] = (
     "reward_std_collapse",
     "grad_norm_spike",
     "entropy_collapse",
     "entropy_blowup",
+    "reward_variance_collapse",
+    "low_val_success",
+    "val_success_drop",
 )
 _STATE_VERSION = 1
 
@@ -97,9 +120,50 @@ class MonitorConfig(BaseModel):
         default=2.0, gt=1.0, description="fires when entropy > ratio x initial"
     )
 
+    # RAGEN-2's early stop on reward variance (agent_trainer.py): baseline = mean of the first 10
+    # values of the in-group reward std, stop when 10 values in a row are below 0.1 x the baseline.
+    # Off by default (var_collapse_ratio=0.1 is RAGEN-2's rule): whenever it would fire,
+    # reward_std_collapse (below 0.1 x the running max, which is >= the baseline) has fired already.
+    var_baseline_steps: int = Field(
+        default=10, ge=1, description="first std_key values averaged into the reward-variance baseline"
+    )
+    var_window: int = Field(
+        default=10, ge=1, description="iterations in a row the std must stay below the ratio x baseline"
+    )
+    var_collapse_ratio: float | None = Field(
+        default=None,
+        gt=0.0,
+        lt=1.0,
+        description="fires when std < ratio x baseline for var_window iterations",
+    )
+
+    val_key: str = Field(default="val-env/success", description="validation success metric")
+    # RAGEN-2's early stop on validation success: below 1% at 5 validations in a row.
+    low_success_threshold: float | None = Field(
+        default=0.01, gt=0.0, le=1.0, description="fires when val_key < threshold for low_success_checks"
+    )
+    low_success_checks: int = Field(default=5, ge=1, description="validations in a row below the threshold")
+    # Calibrated on this project's bandit-tiny runs (docs/metrics.md, "Echo-Trap signals").
+    val_drop_ratio: float | None = Field(
+        default=0.8, gt=0.0, lt=1.0, description="fires when val_key < ratio x its warm-start value"
+    )
+    val_drop_checks: int = Field(default=2, ge=1, description="validations in a row below the ratio")
+
+    # The collapse metrics (ragen_core/collapse_probe.py): measured, logged as collapse/*, not a signal.
+    # RAGEN-2's compute_freq (config/base.yaml): the cost is measured in docs/metrics.md, "Collapse metrics".
+    collapse_every: int = Field(
+        default=5,
+        ge=0,
+        description="compute collapse/* metrics at iteration 1 and every N iterations (0: off)",
+    )
+    collapse_prompts: int = Field(default=8, ge=2, description="groups (prompts) sampled per computation")
+    collapse_responses_per_prompt: int = Field(
+        default=4, ge=1, description="responses sampled per group; each is scored under every sampled prompt"
+    )
+
     def metric_keys(self) -> list[str]:
         """The metric keys the monitor reads."""
-        return list(dict.fromkeys([self.std_key, self.grad_key, self.entropy_key]))
+        return list(dict.fromkeys([self.std_key, self.grad_key, self.entropy_key, self.val_key]))
 
 
 @dataclass(frozen=True)
@@ -186,6 +250,13 @@ class EchoTrapMonitor:
         self._ent_first: list[float] = []
         self._ent_collapse_edge = _Edge(c.patience)
         self._ent_blowup_edge = _Edge(c.patience)
+        # reward variance (RAGEN-2): baseline from the first values, then a window below the ratio
+        self._var_first: list[float] = []
+        self._var_edge = _Edge(c.var_window)
+        # validation success
+        self._val_first: float | None = None
+        self._low_edge = _Edge(c.low_success_checks)
+        self._drop_edge = _Edge(c.val_drop_checks)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: the monitored series seen so far (replayed on load) and the rollback count."""
@@ -267,10 +338,13 @@ class EchoTrapMonitor:
                 self._series[key].append((step, values[key]))
         if c.std_key in values:
             fired += self._update_std(step, values[c.std_key])
+            fired += self._update_variance(step, values[c.std_key])
         if c.grad_key in values:
             fired += self._update_grad(step, values[c.grad_key])
         if c.entropy_key in values:
             fired += self._update_entropy(step, values[c.entropy_key])
+        if c.val_key in values:
+            fired += self._update_val(step, values[c.val_key])
         self.signals.extend(fired)
         return fired
 
@@ -363,6 +437,68 @@ class EchoTrapMonitor:
                         ref,
                         f"entropy {_fmt(val)} at step {s} rose above {c.entropy_blowup_ratio} x its "
                         f"initial value {_fmt(ref)} (erratic entropy comes with collapse, RAGEN Fig. 6)",
+                    )
+                )
+        return out
+
+    def _update_variance(self, step: int, v: float) -> list[Signal]:
+        c = self.cfg
+        if c.var_collapse_ratio is None or not math.isfinite(v):
+            return []
+        if len(self._var_first) < c.var_baseline_steps:
+            self._var_first.append(v)
+            return []
+        base = sum(self._var_first) / len(self._var_first)
+        hit = self._var_edge.feed(v < c.var_collapse_ratio * base, step, v, base)
+        if not hit:
+            return []
+        s, val, ref = hit
+        return [
+            Signal(
+                "reward_variance_collapse",
+                s,
+                val,
+                ref,
+                f"in-group reward std {_fmt(val)} from step {s} stayed below {c.var_collapse_ratio} x its "
+                f"baseline {_fmt(ref)} (mean of the first {len(self._var_first)} values) for {c.var_window} "
+                "iterations (RAGEN-2's reward-variance early stop)",
+            )
+        ]
+
+    def _update_val(self, step: int, v: float) -> list[Signal]:
+        c = self.cfg
+        if not math.isfinite(v):
+            return []
+        out: list[Signal] = []
+        if c.low_success_threshold is not None:
+            hit = self._low_edge.feed(v < c.low_success_threshold, step, v, c.low_success_threshold)
+            if hit:
+                s, val, ref = hit
+                out.append(
+                    Signal(
+                        "low_val_success",
+                        s,
+                        val,
+                        ref,
+                        f"validation success {_fmt(val)} from step {s} stayed below {_fmt(ref)} for "
+                        f"{c.low_success_checks} validations (RAGEN-2's low-success early stop)",
+                    )
+                )
+        if self._val_first is None:
+            self._val_first = v  # the warm start's (or the first) validation: the reference
+            return out
+        if c.val_drop_ratio is not None and self._val_first > 0:
+            hit = self._drop_edge.feed(v < c.val_drop_ratio * self._val_first, step, v, self._val_first)
+            if hit:
+                s, val, ref = hit
+                out.append(
+                    Signal(
+                        "val_success_drop",
+                        s,
+                        val,
+                        ref,
+                        f"validation success {_fmt(val)} from step {s} stayed below {c.val_drop_ratio} x its "
+                        f"warm-start value {_fmt(ref)} for {c.val_drop_checks} validations",
                     )
                 )
         return out

@@ -25,6 +25,7 @@ from ragen_core.algorithms import (
     filter_rollouts,
     group_std_stats,
 )
+from ragen_core.collapse_probe import collapse_due, collapse_metrics
 from ragen_core.config import RagenConfig, RolloutFilterConfig
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
@@ -249,6 +250,12 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
         return stored["metrics"]
     session.restore(start)
     table = read_table(rollouts)
+    # Before the update and over all groups, kept or not (as RAGEN-2): the policy that played them.
+    probe = (
+        collapse_metrics(table, session.learner.cross_logprobs, cfg.monitor)
+        if collapse_due(cfg.monitor, k)
+        else {}
+    )
     all_groups = len(set(table.column("group_id").to_pylist()))
     table = table.take(pa.array(kept, type=pa.int64()))
     # rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling), from the kept fraction of the groups
@@ -257,6 +264,7 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     )
     t0 = time.perf_counter()
     metrics = session.learner.step(to_token_batch(table), advantage_scale=scale)
+    metrics.update(probe)
     metrics["timing_s/update"] = time.perf_counter() - t0
     crash_point("learn", k)
     t0 = time.perf_counter()

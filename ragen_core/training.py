@@ -215,7 +215,7 @@ class Training:
         run, cfg = self.run, self.cfg
         last = run.last_complete()
         if run.eval_metrics_file(0).exists():
-            self._log_step(0, run.read_json(run.eval_metrics_file(0)))
+            self._step_zero(run.read_json(run.eval_metrics_file(0)))
         for k in range(1, last + 1):
             metrics = run.read_json(run.metrics_file(k))
             self.monitor.update(k, metrics)
@@ -223,7 +223,7 @@ class Training:
                 self.monitor.reset_to(to)
             self._log_step(k, metrics)
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
-            self._log_step(0, dict(evaluate(0)))
+            self._step_zero(dict(evaluate(0)))
         if last < cfg.trainer.iterations:
             self.progress.info(
                 "run %s: iterations %d-%d of %d (%s backend)%s",
@@ -235,6 +235,11 @@ class Training:
                 f", resumed after iteration {last}" if last else "",
             )
         return last
+
+    def _step_zero(self, metrics: dict[str, float]) -> None:
+        """The warm start's validation: logged, and the monitor's reference for validation success."""
+        self.monitor.update(0, metrics)
+        self._log_step(0, metrics)
 
     # 3. the loop ---------------------------------------------------------------------------------
     def iterate(self, iteration: Iteration, start: int) -> int:

@@ -184,3 +184,47 @@ def test_disabled_and_config_validation():
     ]
     with pytest.raises(ValueError, match="version"):
         EchoTrapMonitor().load_state_dict({"version": 99})
+
+
+VAL = "val-env/success"
+
+
+def test_reward_variance_collapse_is_ragen2_s_window_rule():
+    # baseline: mean of the first 3 std values (1.0); then 2 values in a row below 0.5 x 1.0
+    cfg = MonitorConfig(var_baseline_steps=3, var_window=2, var_collapse_ratio=0.5, std_collapse_ratio=None)
+    std = [(1, 1.2), (2, 0.8), (3, 1.0), (4, 0.4), (5, 0.6), (6, 0.4), (7, 0.3), (8, 0.2)]
+    mon = EchoTrapMonitor(cfg)
+    fired = {s: mon.update(s, {STD: v}) for s, v in std}
+    assert [s for s, sigs in fired.items() if sigs] == [7]  # 5 broke the first streak
+    (sig,) = fired[7]
+    assert (sig.name, sig.step, sig.value, sig.reference) == ("reward_variance_collapse", 6, 0.4, 1.0)
+    assert detect({STD: std}, cfg.model_copy(update={"var_collapse_ratio": None})) == []
+
+
+def test_low_validation_success_counts_validations_not_iterations():
+    cfg = MonitorConfig(low_success_checks=2, val_drop_ratio=None)
+    hist = {VAL: [(0, 0.5), (2, 0.005), (4, 0.0), (6, 0.0)], STD: [(k, 0.3) for k in range(1, 7)]}
+    sigs = detect(hist, cfg)
+    assert [(s.name, s.step, s.reference) for s in sigs] == [("low_val_success", 2, 0.01)]
+    assert detect({VAL: [(0, 0.5), (2, 0.005), (4, 0.02), (6, 0.0)]}, cfg) == []
+
+
+def test_val_success_drop_against_the_warm_start():
+    cfg = MonitorConfig()  # 0.8 x the first validation, 2 validations in a row
+    fall = [(0, 0.7), (2, 0.6), (4, 0.5), (6, 0.4)]  # 0.6 > 0.56; 0.5 and 0.4 below
+    mon = EchoTrapMonitor(cfg)
+    fired = {s: mon.update(s, {VAL: v}) for s, v in fall}
+    assert [s for s, sigs in fired.items() if sigs] == [6]
+    (sig,) = fired[6]
+    assert (sig.name, sig.step, sig.value, sig.reference) == ("val_success_drop", 4, 0.5, 0.7)
+    # a run that learns, with one noisy dip below 0.8 x warm start: no alarm
+    assert detect({VAL: [(0, 0.7), (2, 0.8), (4, 0.55), (6, 0.85)]}, cfg) == []
+    # the reference is the first validation, not the running best
+    assert detect({VAL: [(0, 0.5), (2, 0.9), (4, 0.45), (6, 0.45)]}, cfg) == []
+    # it counts for the action like any signal, and a rollback replays the warm start's reference
+    rb = EchoTrapMonitor(MonitorConfig(action="rollback"))
+    for s, v in fall:
+        rb.update(s, {VAL: v})
+    assert rb.should_rollback and rb.rollback_step(range(0, 6)) == 3
+    rb.reset_to(3)
+    assert rb.signals == [] and [s for s, v in fall[2:] if rb.update(s, {VAL: v})] == [6]

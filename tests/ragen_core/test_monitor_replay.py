@@ -1,0 +1,41 @@
+"""The monitor's default thresholds on two recorded bandit-tiny runs (tests/data/monitor_*.json):
+the monitored metrics of each iteration's metrics.json and the warm start's validation
+(eval/step_0000.json), from `ragen train configs/bandit-tiny.yaml` with the overrides in each file's
+"run" (docs/metrics.md, "Calibration on bandit-tiny")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ragen_core.monitor import EchoTrapMonitor, MonitorConfig, detect
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def history(name: str) -> dict[str, list[tuple[int, float]]]:
+    raw = json.loads((DATA / name).read_text())["history"]
+    return {k: [(int(s), float(v)) for s, v in pts] for k, pts in raw.items()}
+
+
+def test_collapsing_vanilla_grpo_run_is_flagged_when_validation_falls() -> None:
+    hist = history("monitor_collapsing_vanilla_grpo_seed1.json")
+    val = dict(hist["val-env/success"])
+    sigs = detect(hist, MonitorConfig())
+    assert [(s.name, s.step) for s in sigs] == [("val_success_drop", 8)]
+    (sig,) = sigs
+    assert sig.reference == val[0] and sig.value == val[8] < 0.8 * val[0]
+    assert min(val.values()) < 0.5 * val[0]  # the run did fall: the flag is not a false alarm
+    # online, as ragen_core.training feeds it: confirmed at the next validation, and a stop/rollback follows
+    mon = EchoTrapMonitor(MonitorConfig(action="rollback"))
+    steps = sorted({s for pts in hist.values() for s, _ in pts})
+    by_key = {k: dict(pts) for k, pts in hist.items()}
+    fired_at = [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
+    assert fired_at == [10] and mon.should_rollback and mon.rollback_step(range(0, 10)) == 7
+
+
+def test_stable_starpo_s_run_is_not_flagged() -> None:
+    hist = history("monitor_stable_starpo_s_ppo_seed2.json")
+    val = dict(hist["val-env/success"])
+    assert min(v for s, v in val.items() if s > 0) >= val[0]  # it never fell below its warm start
+    assert detect(hist, MonitorConfig()) == []
