@@ -124,6 +124,7 @@ LABELS = [
     (SHARED, "learner step"),
     (SHARED, "weight sync"),
     (SHARED, "token batch"),
+    (SHARED, "collapse probe"),
     (PIPE, "Parquet write"),
     (PIPE, "Parquet read"),
     (PIPE, "checkpoint save + tokenizer copy"),
@@ -157,6 +158,7 @@ def instrument(clock: Clock) -> None:
         clock.wrap(cls, "save_checkpoint", "checkpoint save + tokenizer copy")
     clock.wrap(session.Session, "sync_weights", "weight sync")
     clock.wrap(stages, "to_token_batch", "token batch")
+    clock.wrap(stages, "collapse_metrics", "collapse probe")
     clock.wrap(stages, "write_table", "Parquet write")
     clock.wrap(stages, "read_table", "Parquet read")
     clock.wrap(stages, "copy_tokenizer", "checkpoint save + tokenizer copy")
@@ -235,7 +237,13 @@ def cpu_now() -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------ set-up
 def bench_config(
-    config: str, iterations: int, backend: str, threads: int, run_root: Path, iteration_as: str | None = None
+    config: str,
+    iterations: int,
+    backend: str,
+    threads: int,
+    run_root: Path,
+    iteration_as: str | None = None,
+    extra: list[str] | None = None,
 ) -> Any:
     from ragen_core.config import load_config
 
@@ -249,6 +257,7 @@ def bench_config(
             "trainer.eval_every=0",
             f"trainer.rollout_threads={threads}",
             f"trainer.run_root={run_root}",
+            *(extra or []),
         ],
     )
 
@@ -314,6 +323,7 @@ class Plain:
         import pyarrow as pa
         import torch
 
+        from ragen_core.collapse_probe import collapse_due, collapse_metrics
         from ragen_core.stages import eval_due, sampling_params, select_rollouts
         from ragen_core.trajectory import to_token_batch
 
@@ -330,6 +340,9 @@ class Plain:
         kept = torch.nonzero(keep).flatten().tolist()
         batch = to_token_batch(table.take(pa.array(kept, type=pa.int64())))
         t2 = time.perf_counter()
+        if collapse_due(cfg.monitor, k):  # the learn stage's collapse metrics, same sample
+            collapse_metrics(table, s.learner.cross_logprobs, cfg.monitor)
+        t_probe = time.perf_counter()
         s.learner.step(batch)
         t3 = time.perf_counter()
         s.advance(k)
@@ -345,7 +358,8 @@ class Plain:
             for name, dt in (
                 ("worker rollout", t1 - t0 + t5 - t4),
                 ("filter + token batch", t2 - t1),
-                ("learner step", t3 - t2),
+                ("collapse probe", t_probe - t2),
+                ("learner step", t3 - t_probe),
                 ("weight sync", t4 - t3),
             ):
                 self.parts[name] += dt
@@ -692,6 +706,14 @@ def main() -> None:
         default=None,
         help="override trainer.iteration_as (default: the config's)",
     )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more config override for both sides (e.g. tracking.traces_per_tag=0): what a part costs",
+    )
     args = parser.parse_args()
     n = args.iterations or (5 if args.quick else 10)
     if n < 3:
@@ -710,7 +732,9 @@ def main() -> None:
     clock = Clock()
     instrument(clock)
     try:
-        cfg = bench_config(args.config, n, "local", args.threads, state / "runs", args.iteration_as)
+        cfg = bench_config(
+            args.config, n, "local", args.threads, state / "runs", args.iteration_as, args.overrides
+        )
         init_policy, warm_s, cached = warm_start_once(cfg, args.fresh)
         print(
             f"config {Path(args.config).name}: train {cfg.train.n_groups} groups x {cfg.train.group_size}, "
@@ -727,7 +751,9 @@ def main() -> None:
             print_profile(results[0]["profile"])
         ray_line = None
         if args.ray and not args.quick:
-            cfg_ray = bench_config(args.config, n, "ray", args.threads, state / "runs", args.iteration_as)
+            cfg_ray = bench_config(
+                args.config, n, "ray", args.threads, state / "runs", args.iteration_as, args.overrides
+            )
             res = compare(cfg_ray, init_policy, "ray", clock, False)
             r_ratio, r_overhead = summarize(res)
             ray_line = (r_ratio, r_overhead)
