@@ -49,7 +49,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -62,15 +62,7 @@ SignalName = Literal[
     "low_val_success",
     "val_success_drop",
 ]
-SIGNAL_NAMES: tuple[str, ...] = (
-    "reward_std_collapse",
-    "grad_norm_spike",
-    "entropy_collapse",
-    "entropy_blowup",
-    "reward_variance_collapse",
-    "low_val_success",
-    "val_success_drop",
-)
+SIGNAL_NAMES: tuple[str, ...] = get_args(SignalName)
 _STATE_VERSION = 1
 
 
