@@ -37,9 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/bandit-tiny.yaml"
 
 
-def train(code: Path, state: Path, iterations: int) -> Path:
-    """One run of CONFIG with the code in ``code``; returns its run directory."""
-    env = {**os.environ, "RAGEN_STATE_DIR": str(state), "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1"}
+def train(code: Path, state: Path, iterations: int, extra_env: dict[str, str] | None = None) -> Path:
+    """One run of CONFIG with the code in ``code`` (and ``extra_env`` set); returns its run directory."""
+    env = {
+        **os.environ,
+        "RAGEN_STATE_DIR": str(state),
+        "PYTHONPATH": str(code),
+        "PYTHONUNBUFFERED": "1",
+        **(extra_env or {}),
+    }
     args = [
         sys.executable,
         "-m",
@@ -101,6 +107,26 @@ def same_weights(a: Path, b: Path) -> tuple[bool, str]:
     return True, "bitwise equal"
 
 
+def compare_runs(ref_run: Path, new_run: Path, iterations: int) -> list[tuple[str, bool, str]]:
+    """(artifact, equal, detail) for every iteration's rollouts and checkpoint and every validation file."""
+    checks: list[tuple[str, bool, str]] = []
+    for k in range(1, iterations + 1):
+        it = f"iter_{k:04d}"
+        checks.append(
+            (
+                f"{it}/rollouts.parquet",
+                *same_table(ref_run / it / "rollouts.parquet", new_run / it / "rollouts.parquet", k, "train"),
+            )
+        )
+        checks.append(
+            (f"{it}/checkpoint", *same_weights(ref_run / it / "checkpoint", new_run / it / "checkpoint"))
+        )
+    for f in sorted((ref_run / "eval").glob("*.parquet")):
+        step = int(f.stem.removeprefix("step_"))
+        checks.append((f"eval/{f.name}", *same_table(f, new_run / "eval" / f.name, step, "val")))
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ref", default="HEAD", help="reference revision (default HEAD)")
@@ -118,23 +144,7 @@ def main() -> None:
         )
         ref_run = train(ref_code, work / "ref-state", args.iterations)
         new_run = train(ROOT, work / "new-state", args.iterations)
-        checks: list[tuple[str, bool, str]] = []
-        for k in range(1, args.iterations + 1):
-            it = f"iter_{k:04d}"
-            checks.append(
-                (
-                    f"{it}/rollouts.parquet",
-                    *same_table(
-                        ref_run / it / "rollouts.parquet", new_run / it / "rollouts.parquet", k, "train"
-                    ),
-                )
-            )
-            checks.append(
-                (f"{it}/checkpoint", *same_weights(ref_run / it / "checkpoint", new_run / it / "checkpoint"))
-            )
-        for f in sorted((ref_run / "eval").glob("*.parquet")):
-            step = int(f.stem.removeprefix("step_"))
-            checks.append((f"eval/{f.name}", *same_table(f, new_run / "eval" / f.name, step, "val")))
+        checks = compare_runs(ref_run, new_run, args.iterations)
         for name, ok, detail in checks:
             print(f"  {name:32s} {'same' if ok else 'DIFFERENT'} ({detail})")
         ratio = sum(ok for _, ok, _ in checks) / len(checks)

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from ragen_core import CPU_NUMERICS_ENV
+from ragen_core import CPU_NUMERICS_ENV, PORTABLE_NUMERICS_ENV, PORTABLE_SWITCH
 
 ROOT = Path(__file__).resolve().parents[2]
 MATMUL = "import torch; a = torch.ones(64, 64); a @ a"
 
 
 def mkl_verbose(code: str, **env: str) -> str:
-    clean = {k: v for k, v in os.environ.items() if k not in CPU_NUMERICS_ENV}
+    pinned = {*CPU_NUMERICS_ENV, *PORTABLE_NUMERICS_ENV, PORTABLE_SWITCH}
+    clean = {k: v for k, v in os.environ.items() if k not in pinned}
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -46,3 +47,29 @@ def test_without_the_import_mkl_is_free_to_vary() -> None:
 def test_a_value_in_the_environment_wins() -> None:
     line = mkl_verbose(f"import ragen_core; {MATMUL}", MKL_CBWR="COMPATIBLE")
     assert "CNR:COMPATIBLE" in line, line
+
+
+def test_portable_numerics_ask_every_library_for_its_cpu_independent_code() -> None:
+    """RAGEN_PORTABLE_NUMERICS=1: MKL's COMPATIBLE path and ATen's scalar kernels (and oneDNN's SSE4.1);
+    that they give the same run on two CPU kinds is benchmarks/cross_machine.py's measurement."""
+    code = f"import ragen_core, torch; print('capability', torch.backends.cpu.get_cpu_capability()); {MATMUL}"
+    line = mkl_verbose(code, **{PORTABLE_SWITCH: "1"})
+    assert "CNR:COMPATIBLE" in line, line
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**{k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS_ENV}, PORTABLE_SWITCH: "1"},
+    )
+    assert "capability DEFAULT" in out.stdout, out.stdout + out.stderr[-1000:]
+    bad = subprocess.run(
+        [sys.executable, "-c", "import ragen_core"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, PORTABLE_SWITCH: "yes"},
+    )
+    assert bad.returncode != 0 and f"{PORTABLE_SWITCH}='yes'" in bad.stderr
