@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from typing import Any
 
 from ragen_core.config import RagenConfig
@@ -60,6 +61,26 @@ def env_dataset(groups: EnvGroupsConfig, mode: str, cfg: RagenConfig) -> dict[st
     }
 
 
+def _duplicate_row(exc: BaseException) -> bool:
+    """A unique-key violation in the store (SQLite, PostgreSQL, MySQL wording)."""
+    text = f"{exc} {exc.__cause__ or ''}"
+    return any(s in text for s in ("UNIQUE constraint failed", "duplicate key value", "Duplicate entry"))
+
+
+def log_inputs(tracker: Tracker, inputs: list[Any]) -> None:
+    """``log_inputs``, once more after a duplicate-row error. MLflow looks a dataset up and inserts it
+    if absent in two steps; two runs logging the same env groups at the same moment (the members of
+    a sweep, which share their env specs, hence their digests) can both miss it, and the second insert
+    fails. On the retry the lookup finds the row the other run wrote."""
+    try:
+        tracker.client.log_inputs(tracker.run_id, datasets=inputs)
+    except Exception as e:
+        if not _duplicate_row(e):
+            raise
+        time.sleep(0.2)
+        tracker.client.log_inputs(tracker.run_id, datasets=inputs)
+
+
 def log_lineage(tracker: Tracker, cfg: RagenConfig, run: RunDir) -> None:
     """Log the env groups as dataset inputs and the warm start's loss curve, once per run (a resumed
     run has them; ``run.json`` ``logged_artifacts`` records it)."""
@@ -76,7 +97,7 @@ def log_lineage(tracker: Tracker, cfg: RagenConfig, run: RunDir) -> None:
             d = env_dataset(groups, mode, cfg)
             dataset = Dataset(d["name"], d["digest"], "code", d["source"], profile=d["profile"])
             inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", CONTEXTS[mode])]))
-        tracker.client.log_inputs(tracker.run_id, datasets=inputs)
+        log_inputs(tracker, inputs)
         sft = run.init_policy / "sft_metrics.json"
         if sft.is_file():
             curve = json.loads(sft.read_text()).get("loss_curve", [])
