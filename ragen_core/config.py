@@ -315,6 +315,15 @@ class RagenConfig(BaseModel):
         kept_groups = f.fixed_group_count(g.num_groups)
         kept = g.num_groups * g.group_size if kept_groups is None else kept_groups * g.group_size
         mb = self.learner.optim.mini_batch_size
+        if kept_groups is None and not f.keeps_everything() and mb > g.group_size:
+            # top_p / min_p keep as many groups as their values allow, as few as one: a larger
+            # mini-batch would stop the run at the first iteration that keeps less (after the warm start)
+            raise ValueError(
+                f"learner.optim.mini_batch_size={mb} is larger than one group ({g.group_size} trajectories), "
+                f"the least that rollout.filter.strategy={f.strategy} may keep in an iteration; lower "
+                f"learner.optim.mini_batch_size (and micro_batch_size) to <= {g.group_size}, or use strategy "
+                "top_k / top_k_abs, which keep a fixed number of groups"
+            )
         if mb > kept:
             shown = "all" if kept_groups is None else str(kept_groups)
             raise ValueError(

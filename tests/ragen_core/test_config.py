@@ -302,7 +302,13 @@ def test_old_and_new_filter_keys_together() -> None:
     # a config file's old key lifted with null: the new section alone decides
     lifted = load_config(
         Path("configs/bandit-tiny.yaml"),
-        ["rollout.filter_ratio=null", "rollout.filter.strategy=top_p", "rollout.filter.value=0.9"],
+        [
+            "rollout.filter_ratio=null",
+            "rollout.filter.strategy=top_p",
+            "rollout.filter.value=0.9",
+            "learner.optim.mini_batch_size=8",
+            "learner.optim.micro_batch_size=8",
+        ],
     )
     assert (lifted.rollout.filter.strategy, lifted.rollout.filter.value) == ("top_p", 0.9)
 
@@ -347,13 +353,14 @@ def test_filters_that_fit_one_member_groups_and_adaptive_counts() -> None:
     # no variance metric, or a filter that keeps everything: a group of one is fine
     assert load_config(overrides=[*one, "rollout.filter.metric=reward"]).rollout.filter.metric == "reward"
     assert load_config(overrides=[*one, "rollout.filter.strategy=top_p", "rollout.filter.value=1"])
-    # top_p / min_p keep an unknown number of groups: the check uses all groups (the learner checks the rest)
+    # top_p / min_p keep an unknown number of groups, at least one: a mini-batch of one group fits
     cfg = load_config(
         overrides=[
             *_SMALL,
             "rollout.filter.strategy=min_p",
             "rollout.filter.value=0.5",
-            "learner.optim.mini_batch_size=32",
+            "learner.optim.mini_batch_size=4",
+            "learner.optim.micro_batch_size=4",
         ]
     )
     assert cfg.rollout.filter.fixed_group_count(8) is None
@@ -388,3 +395,40 @@ def test_a_stored_config_with_the_old_filter_keys_loads_and_resumes(tmp_path: Pa
     )
     again = load_config(dump_config(cfg, tmp_path / "new.yaml"))
     assert again == cfg and "filter_ratio" not in (tmp_path / "new.yaml").read_text()
+
+
+def test_an_adaptive_filter_with_a_mini_batch_larger_than_one_group_fails_before_any_work() -> None:
+    """top_p / min_p may keep a single group in some iteration: a larger mini-batch would stop the run
+    there (after the warm start), so the config is refused, naming the keys and the fix."""
+    base = ["rollout.filter_ratio=null", "rollout.filter_type=null", "train.group_size=8"]
+    for strategy, value in (("min_p", 0.5), ("top_p", 0.9)):
+        with pytest.raises(
+            ValueError, match=r"mini_batch_size=32 is larger than one group \(8 trajectories\)"
+        ):
+            load_config(
+                overrides=[
+                    *base,
+                    f"rollout.filter.strategy={strategy}",
+                    f"rollout.filter.value={value}",
+                    "learner.optim.mini_batch_size=32",
+                ]
+            )
+        cfg = load_config(
+            overrides=[
+                *base,
+                f"rollout.filter.strategy={strategy}",
+                f"rollout.filter.value={value}",
+                "learner.optim.mini_batch_size=8",
+                "learner.optim.micro_batch_size=8",
+            ]
+        )
+        assert cfg.learner.optim.mini_batch_size == 8
+    # top_p 1 keeps everything: any mini-batch up to the whole batch
+    load_config(
+        overrides=[
+            *base,
+            "rollout.filter.strategy=top_p",
+            "rollout.filter.value=1.0",
+            "learner.optim.mini_batch_size=32",
+        ]
+    )
