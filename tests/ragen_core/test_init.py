@@ -15,17 +15,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MATMUL = "import torch; a = torch.ones(64, 64); a @ a"
 
 
-def mkl_verbose(code: str, **env: str) -> str:
+def python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter, with none of the numerics variables but those in ``env``."""
     pinned = {*CPU_NUMERICS_ENV, *PORTABLE_NUMERICS_ENV, PORTABLE_SWITCH}
     clean = {k: v for k, v in os.environ.items() if k not in pinned}
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
-        env={**clean, "MKL_VERBOSE": "1", **env},
+        env={**clean, **env},
     )
+
+
+def mkl_verbose(code: str, **env: str) -> str:
+    out = python(code, MKL_VERBOSE="1", **env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "GEMM" in line]
     assert lines, "torch's matmul did not go through MKL: " + (out.stdout + out.stderr)[-2000:]
@@ -55,21 +60,7 @@ def test_portable_numerics_ask_every_library_for_its_cpu_independent_code() -> N
     code = f"import ragen_core, torch; print('capability', torch.backends.cpu.get_cpu_capability()); {MATMUL}"
     line = mkl_verbose(code, **{PORTABLE_SWITCH: "1"})
     assert "CNR:COMPATIBLE" in line, line
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**{k: v for k, v in os.environ.items() if k not in PORTABLE_NUMERICS_ENV}, PORTABLE_SWITCH: "1"},
-    )
+    out = python(code, **{PORTABLE_SWITCH: "1"})
     assert "capability DEFAULT" in out.stdout, out.stdout + out.stderr[-1000:]
-    bad = subprocess.run(
-        [sys.executable, "-c", "import ragen_core"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, PORTABLE_SWITCH: "yes"},
-    )
+    bad = python("import ragen_core", **{PORTABLE_SWITCH: "yes"})
     assert bad.returncode != 0 and f"{PORTABLE_SWITCH}='yes'" in bad.stderr
