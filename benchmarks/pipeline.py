@@ -28,8 +28,9 @@ its subflow call to the next subflow call (or the end of the loop), so it includ
 the MLflow logging of that iteration. Iteration 1 of each side (first calls: imports, first MLflow
 write, allocator warm-up) is reported apart; the headline is the median over iterations 2..N of
 the per-iteration ratio flow / plain; the fixed overhead is the median of flow - plain.
-CPU seconds per iteration are printed too (this process, all threads, plus the Prefect server
-subprocess, read from /proc; local backend only): they move much less with the machine's load.
+CPU seconds per iteration are printed too (this process, all threads, plus the Prefect server and
+the MLflow logging process, read from /proc; local backend only): they move much less with the
+machine's load.
 
 One-time costs (reported, not in the ratio): the warm start, Session construction, Prefect's
 ephemeral server start and the flow-run creation, the MLflow run start, and the end of the flow
@@ -148,7 +149,17 @@ LABELS = [
 def instrument(clock: Clock) -> None:
     import prefect.results
 
-    from ragen_core import actors, run_dir, session, stage_record, stages, tracking, training
+    from ragen_core import (
+        actors,
+        log_process,
+        run_dir,
+        session,
+        stage_record,
+        stages,
+        step_log,
+        tracking,
+        training,
+    )
 
     clock.wrap(
         session.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
@@ -176,7 +187,7 @@ def instrument(clock: Clock) -> None:
     clock.wrap(tracking.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
     clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
     clock.wrap(tracking.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
-    clock.wrap(training, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(step_log, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
     clock.wrap(tracking.Tracker, "log_episode_traces", "episode traces")
     clock.wrap(training, "log_kept_models", "logged models (once, at the end)")
     import flows.reporting
@@ -186,14 +197,17 @@ def instrument(clock: Clock) -> None:
     clock.wrap(training.EchoTrapMonitor, "update", "Echo-Trap monitor")
     clock.wrap(logging.LoggerAdapter, "info", "run-logger INFO lines (console + Prefect API handler)")
     clock.wrap(flows.reporting.PrefectObserver, "iteration_done", "Prefect progress artifact")
-    clock.wrap(training.BackgroundLog, "submit", "background queue submit")
+    clock.wrap(step_log.LocalStepLog, "submit", "background queue submit")
+    clock.wrap(log_process.ProcessStepLog, "submit", "background queue submit")
 
 
-class ServerCPU:
-    """CPU seconds used so far by this process's Prefect server subprocess(es) (uvicorn), from /proc."""
+class ChildCPU:
+    """CPU seconds used so far by this process's child processes whose command line holds ``marker``
+    (the Prefect server: uvicorn; the MLflow logging process), from /proc."""
 
-    def __init__(self) -> None:
-        self.pids: list[int] | None = None
+    def __init__(self, marker: bytes) -> None:
+        self.marker = marker
+        self.pids: list[int] = []
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def _find(self) -> list[int]:
@@ -205,7 +219,7 @@ class ServerCPU:
                 stat = (d / "stat").read_text()
                 if (
                     int(stat.rsplit(")", 1)[1].split()[1]) == me
-                    and b"prefect" in (d / "cmdline").read_bytes()
+                    and self.marker in (d / "cmdline").read_bytes()
                 ):
                     pids.append(int(d.name))
             except (OSError, ValueError, IndexError):
@@ -215,7 +229,7 @@ class ServerCPU:
     def __call__(self) -> float:
         if not Path("/proc").is_dir():
             return float("nan")
-        if not self.pids:
+        if not self.pids:  # until it has started
             self.pids = self._find()
         total = 0.0
         for pid in self.pids:
@@ -227,12 +241,13 @@ class ServerCPU:
         return total
 
 
-SERVER_CPU = ServerCPU()
+SERVER_CPU = ChildCPU(b"prefect")
+LOGGING_CPU = ChildCPU(b"ragen_core.log_process")
 
 
 def cpu_now() -> tuple[float, float]:
-    """(this process's CPU seconds, all threads; the Prefect server's CPU seconds)."""
-    return time.process_time(), SERVER_CPU()
+    """(this process's CPU seconds, all threads; the Prefect server's and the logging process's)."""
+    return time.process_time(), SERVER_CPU() + LOGGING_CPU()
 
 
 # ------------------------------------------------------------------------------------ set-up
@@ -373,7 +388,7 @@ class Plain:
 def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bool) -> dict[str, Any]:  # noqa: C901 - the ABBA timing harness wraps every hook of the flow in one closure scope
     """Run the train flow on one run directory with the plain loop interleaved; returns all timings."""
     import flows.train as ft
-    from ragen_core import training
+    from ragen_core import step_log, training
 
     n = cfg.trainer.iterations
     flow_run = new_run(cfg, f"bench-flow-{backend}", init_policy)
@@ -398,34 +413,38 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
 
     backgrounds: list[Any] = []
     drains: dict[int, float] = {}
+    logging_cpu = [0.0, 0.0]  # the logging process's CPU seconds at iteration 2's start and the loop's end
     background_cpu: dict[str, float] = defaultdict(float)
 
-    class RecordedBackground(training.BackgroundLog):  # type: ignore[misc, name-defined]
-        """Also adds up the CPU time its thread spends on each kind of call (time.thread_time)."""
+    real_open_step_log = training.open_step_log  # = log_process.open_step_log
+    real_logger_calls = {name: getattr(step_log.StepLogger, name) for name in step_log.CALLS}
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            backgrounds.append(self)
+    def open_step_log(*args: Any, **kwargs: Any) -> Any:
+        log = real_open_step_log(*args, **kwargs)
+        backgrounds.append(log)
+        return log
 
-        def submit(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-            name = getattr(fn, "__name__", type(fn).__name__)
+    def timed_call(name: str) -> Any:
+        """A StepLogger method that adds up the CPU time of the thread running it (thread / off modes;
+        in the logging process the calls run unpatched, and that process's CPU is read from /proc)."""
+        real = real_logger_calls[name]
 
-            def timed(*a: Any, **kw: Any) -> Any:
-                t0 = time.thread_time()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    if state["counting"]:
-                        background_cpu[name] += time.thread_time() - t0
+        def timed(self: Any, *a: Any, **kw: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return real(self, *a, **kw)
+            finally:
+                if state["counting"]:
+                    background_cpu[name] += time.thread_time() - t0
 
-            super().submit(timed, *args, **kwargs)
+        return timed
 
     def close_open(now: float, plain_next: bool = False) -> None:
         k = state["open"]
         if k:
             if plain_next or state["deferred"]:
-                # The flow's MLflow logging runs in a background thread; left running, it would slow
-                # the plain iteration that comes next. Wait for it and charge the wait to this flow
+                # The flow's MLflow logging runs in the background (the logging process); left
+                # running, it would slow the plain iteration that comes next. Wait for it and charge the wait to this flow
                 # iteration (conservative: no credit for overlapping; between two flow iterations
                 # the overlap is real and any contention lands on the next flow iteration's clock).
                 for b in backgrounds:
@@ -454,7 +473,12 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
     def iteration_flow(run_root: str, k: int) -> dict[str, float]:
         close_open(time.perf_counter(), plain_next=bool(k % 2))
         if k == 1:
+            # The logging process starts with the MLflow run (seconds of imports, in a real run during
+            # the warm start, which this prepared run skips): a start-up cost, waited for here.
+            marks["logging_ready"] = sum(b.wait_ready() for b in backgrounds if hasattr(b, "wait_ready"))
             marks["loop"] = time.perf_counter()
+        if k == 2:
+            logging_cpu[0] = LOGGING_CPU()
         if k % 2:  # ABBA: plain k before flow k for odd k, after it for even k
             plain.iteration(k)
         else:
@@ -480,19 +504,17 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         now = time.perf_counter()
         close_open(now)
         marks["loop_end"] = time.perf_counter()
+        logging_cpu[1] = LOGGING_CPU()
         return real_best(*args, **kwargs)
 
     def configure(*args: Any, **kwargs: Any) -> Any:
         marks["flow_body"] = time.perf_counter()
         return real_configure(*args, **kwargs)
 
-    real_background = training.BackgroundLog
     ft.iteration_flow, ft.iteration_task, ft.configure_environment = iteration_flow, iteration_flow, configure
-    training.Session, training.RunDir.best_step, training.BackgroundLog = (
-        session,
-        best_step,
-        RecordedBackground,
-    )
+    training.Session, training.RunDir.best_step, training.open_step_log = session, best_step, open_step_log
+    for name in step_log.CALLS:
+        setattr(step_log.StepLogger, name, timed_call(name))
     try:
         marks["call"] = time.perf_counter()
         result = ft.train(ft.TrainRequest(resume=str(flow_run.root), backend=backend))
@@ -503,11 +525,13 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             real_iteration_task,
             real_configure,
         )
-        training.Session, training.RunDir.best_step, training.BackgroundLog = (
+        training.Session, training.RunDir.best_step, training.open_step_log = (
             real_session,
             real_best,
-            real_background,
+            real_open_step_log,
         )
+        for name, real in real_logger_calls.items():
+            setattr(step_log.StepLogger, name, real)
         clock.active = False
         plain.close()
     if result["last_iteration"] != n or sorted(flow_times) != list(range(1, n + 1)):
@@ -535,12 +559,14 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         "mismatches": mismatches,
         "drains": drains,
         "background_cpu": dict(background_cpu),
+        "logging_process_cpu": logging_cpu[1] - logging_cpu[0],
         "startup": {
             "plain Session construction" + (" (starts Ray)" if backend == "ray" else ""): plain.start_s,
             "flow: Prefect start + flow run creation (call -> flow body)": marks["flow_body"] - marks["call"],
             "flow: MLflow run start + warm-start task + Session (flow body -> iteration 1)": marks["loop"]
             - marks["flow_body"],
             "  of which Session construction": session_s[0] if session_s else float("nan"),
+            "  of which waiting for the MLflow logging process to start": marks.get("logging_ready", 0.0),
             "flow: end (plots, final-model artifacts, MLflow end, flow return)": marks["return"]
             - marks["loop_end"],
         },
@@ -557,7 +583,7 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     steady = list(range(2, n + 1))
     print(f"\n== backend {res['backend']}: {n} iterations, interleaved (ABBA) ==")
     print(
-        "        wall time (s)                              CPU time (s): this process + Prefect server"
+        "        wall time (s)                              CPU time (s): this process + Prefect server + logging process"
         + ("" if local else " (Ray actors not counted)")
     )
     print("iter   plain    flow   flow-plain  ratio        plain          flow")
@@ -583,7 +609,7 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     cpu_ratios = [sum(fcpu[k]) / sum(pcpu[k]) for k in steady]
     if local:
         print(
-            f"CPU time, iterations 2..{n}: flow {cpu_f / len(steady):.3f} s/iteration (of which Prefect server "
+            f"CPU time, iterations 2..{n}: flow {cpu_f / len(steady):.3f} s/iteration (of which Prefect server + logging process "
             f"{sum(fcpu[k][1] for k in steady) / len(steady):.3f}), plain {cpu_p / len(steady):.3f} s/iteration "
             f"(server {sum(pcpu[k][1] for k in steady) / len(steady):.3f}); median ratio "
             f"{statistics.median(cpu_ratios):.3f}, totals ratio {cpu_f / cpu_p:.3f}"
@@ -638,14 +664,20 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
                 print(f"    {lab:<56} {1000 * totals[lab]:8.1f}")
     drain = sum(res["drains"].get(k, 0.0) for k in steady) / m
     attributed += drain
-    print(f"  {'waiting for the background MLflow thread (charged, above)':<58} {1000 * drain:8.1f}")
+    print(f"  {'waiting for the background MLflow logging (charged, above)':<58} {1000 * drain:8.1f}")
     rest = flow_mean - attributed
     bg = res["background_cpu"]
-    print(
-        f"  (background logging thread, CPU ms per iteration: {1000 * sum(bg.values()) / m:.1f}; "
-        + ", ".join(f"{name} {1000 * v / m:.1f}" for name, v in sorted(bg.items(), key=lambda kv: -kv[1]))
-        + ")"
-    )
+    if bg:
+        print(
+            f"  (background logging in this process, CPU ms per iteration: {1000 * sum(bg.values()) / m:.1f}; "
+            + ", ".join(f"{name} {1000 * v / m:.1f}" for name, v in sorted(bg.items(), key=lambda kv: -kv[1]))
+            + ")"
+        )
+    if res["logging_process_cpu"]:
+        print(
+            f"  (the MLflow logging process, CPU ms per iteration, off this process: "
+            f"{1000 * res['logging_process_cpu'] / m:.1f})"
+        )
     print(f"  {'Prefect task/subflow engine + glue (the rest)':<58} {1000 * rest:8.1f}")
     pp = res["plain_parts"]
     print("  plain loop, same library work:  " + ", ".join(f"{k} {1000 * v / m:.1f}" for k, v in pp.items()))

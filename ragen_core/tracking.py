@@ -54,7 +54,9 @@ already exists``). Building it runs MLflow's whole chain of schema migrations (s
 every new state folder), so the first store made with an MLflow version is kept, emptied, in the user
 cache (:func:`store_template`) and later new stores start as a copy of it.
 
-Log from one process per run (SQLite locks under concurrent writers).
+One process logs a run at a time (SQLite locks under concurrent writers): while the loop runs, the
+run's logging process holds it (``ragen_core.log_process``; ``Tracker.state`` / ``take_over`` hand
+it over and back).
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ragen_core.state_folder import cache_dir
 
@@ -103,6 +106,7 @@ TABLE_STEP_TAG = "ragen.transcripts_table_step"
 TRANSCRIPTS_TABLE = "transcripts.json"
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+BackgroundMode = Literal["process", "thread", "off"]
 
 #: MLflow's HTTP client settings for our runs, unless the environment sets them. MLflow's own
 #: defaults (7 retries, backoff factor 2, 120 s timeout) make one call to a dead server block for
@@ -161,12 +165,20 @@ class TrackingConfig(BaseModel):
         description="log the machine's CPU, memory, disk, network (and GPU) use as system/* metrics every "
         "10 s while the run trains (MLflow's System metrics tab)",
     )
-    background: bool = Field(
-        default=True,
-        description="log each iteration from a background thread while the next one trains (in order, flushed "
-        "before the run ends; a failing store takes the tracker offline and training goes on, any other "
-        "error stops the run at the next iteration)",
+    background: BackgroundMode = Field(
+        default="process",
+        description="where each iteration is logged while the next one trains: process (a logging process "
+        "of its own, off the training loop's interpreter lock), thread (a thread of the training "
+        "process) or off (in the loop, before the next iteration). In order and flushed before the run "
+        "ends; a failing store takes the tracker offline and training goes on, any other error stops "
+        "the run at the next iteration. true / false (older configs) read as process / off",
     )
+
+    @field_validator("background", mode="before")
+    @classmethod
+    def _background_bool(cls, v: Any) -> Any:
+        # Before 2026-12-02 the key was a bool (true: a thread); true now means the default.
+        return {True: "process", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -405,6 +417,18 @@ def _chain(e: BaseException) -> list[BaseException]:
 
 
 # ---------------------------------------------------------------------------- tracker
+@dataclass(frozen=True)
+class TrackerState:
+    """A Tracker's view of its run (``Tracker.state``), as handed between processes (picklable)."""
+
+    run_id: str
+    experiment_id: str | None
+    logged_steps: list[int]
+    table_step: int | None
+    resumed: bool
+    offline: str | None
+
+
 class Tracker:
     """One MLflow run, from one process: ``start`` (or resume), ``log_iteration`` per iteration,
     artifacts, tags, ``end``. Also a context manager that ends the run FAILED on an exception.
@@ -621,6 +645,28 @@ class Tracker:
             self.client.set_terminated(run_id, status=status)
         except Exception as e:
             self._go_offline(f"end run {run_id} as {status}", e)
+
+    # ------------------------------------------------------------------ handing the run over
+    def state(self) -> TrackerState:
+        """What another Tracker needs to go on logging this run exactly as this one would."""
+        return TrackerState(
+            run_id=self._require_run(),
+            experiment_id=self.experiment_id,
+            logged_steps=sorted(self._logged_steps),
+            table_step=self._table_step,
+            resumed=self._resumed,
+            offline=self.offline,
+        )
+
+    def take_over(self, state: TrackerState) -> None:
+        """Go on with the run another Tracker (of this store) has logged so far, from its ``state``,
+        without a store call: the logging process takes the run over for the loop, and the training
+        process takes it back after the last flush. An offline ``state`` takes this Tracker offline."""
+        self.run_id, self.experiment_id = state.run_id, state.experiment_id
+        self._logged_steps, self._table_step = set(state.logged_steps), state.table_step
+        self._resumed = state.resumed
+        if state.offline is not None and self.offline is None:
+            self.offline = state.offline  # the other Tracker has warned already
 
     # ------------------------------------------------------------------ metrics, tags
     def log_iteration(self, step: int, metrics: Mapping[str, Any]) -> bool:

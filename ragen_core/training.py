@@ -11,8 +11,9 @@ same run folder gives the same decisions under any orchestrator:
   over the stored iterations (rollbacks included), runs the remaining iterations with the monitor's
   stop and rollback decisions, and ends with the best step, the final models and where to look next.
 
-Metrics reach MLflow only after an iteration's ``metrics.json`` and DONE mark are on disk (from a
-background thread, while the next iteration runs; in order, and flushed before the run ends), and
+Metrics reach MLflow only after an iteration's ``metrics.json`` and DONE mark are on disk (from the
+run's logging process by default, ``ragen_core.step_log``, while the next iteration runs; in order,
+and flushed before the run ends), and
 logging is idempotent per step, so a killed run resumes with no iteration lost, duplicated or
 double-logged. A rollback is an event of its own (``rollbacks/after_K.json``): no stored iteration is
 rewritten, so every one stays rerunnable.
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.integrity import record
 from ragen_core.lineage import SystemMetrics, log_lineage
+from ragen_core.log_process import open_step_log, wait_for_earlier_logging
 from ragen_core.logged_models import log_kept_models
 from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
@@ -41,8 +43,8 @@ from ragen_core.run_dir import RunDir, create_run, find_run, run_name
 from ragen_core.run_lock import RunLock
 from ragen_core.session import Session
 from ragen_core.stages import check_resumable, eval_due
-from ragen_core.tracking import BackgroundLog, RunStatus, Tracker
-from ragen_core.transcripts import to_html, transcript_rows
+from ragen_core.step_log import StepLog, StepLogger
+from ragen_core.tracking import RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
@@ -148,8 +150,10 @@ class Training:
         self.mlflow_run: str | None = None
         self.session: Session | None = None
         self.monitor = EchoTrapMonitor(cfg.monitor)
-        # An iteration's MLflow calls overlap the next iteration (in order; errors surface at the next one).
-        self.background = BackgroundLog(cfg.tracking.background)
+        self.step_logger = StepLogger(tracker, run, self.run_id, cfg.trainer.iterations)
+        #: An iteration's MLflow calls overlap the next iteration (in order; errors surface at the next
+        #: one); started with the tracking, in the logging process by default (``tracking.background``).
+        self.background: StepLog | None = None
         self.clock = IterationClock(cfg.trainer.iterations)
         self.status: RunStatus = "FAILED"
         self.system_metrics: SystemMetrics | None = None
@@ -158,7 +162,8 @@ class Training:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.background.close()
+        if self.background is not None:
+            self.background.close()
         self.observer.close()
         if self.system_metrics is not None:
             self.system_metrics.stop()
@@ -174,6 +179,7 @@ class Training:
     def start_tracking(self, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
         """Start (or, resuming, reopen) the MLflow run with the config as params and provenance tags."""
         self.log.info("run %s in %s", self.run_id, self.run.root)
+        wait_for_earlier_logging(self.run.root)  # a killed process's logging process may still be at work
         self.mlflow_run = self.tracker.start(
             self.run_id,
             flatten(self.cfg),
@@ -189,6 +195,7 @@ class Training:
             parent_run_id=parent_run_id,
         )
         self.run.update_info(mlflow_run_id=self.mlflow_run)
+        self.background = open_step_log(self.cfg.tracking.background, self.step_logger)
         self.system_metrics = SystemMetrics(self.tracker, self.cfg.tracking.system_metrics).start()
         return self.mlflow_run
 
@@ -221,7 +228,7 @@ class Training:
             self.monitor.update(k, metrics)
             if (to := run.rolled_back_to(k)) is not None:
                 self.monitor.reset_to(to)
-            self._log_step(k, metrics)
+            self.step_logger.log_step(k, metrics)
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
             self._step_zero(dict(evaluate(0)))
         if last < cfg.trainer.iterations:
@@ -239,7 +246,7 @@ class Training:
     def _step_zero(self, metrics: dict[str, float]) -> None:
         """The warm start's validation: logged, and the monitor's reference for validation success."""
         self.monitor.update(0, metrics)
-        self._log_step(0, metrics)
+        self.step_logger.log_step(0, metrics)
 
     # 3. the loop ---------------------------------------------------------------------------------
     def iterate(self, iteration: Iteration, start: int) -> int:
@@ -260,22 +267,20 @@ class Training:
         if signals:
             self._signal(k, signals)
             metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
-        self.background.submit(self._log_step, k, dict(metrics))
+        self._queue("log_step", k, dict(metrics))
         total = self.cfg.trainer.iterations
         line = iteration_line(k, total, metrics, self.clock.lap(), self.clock.eta(k))
         self.progress.info(line)
         self.observer.iteration_done(k, total, line)
         if self.monitor.should_stop:
-            self.background.submit(self.tracker.set_tags, {"echo_trap.action": f"stopped at iteration {k}"})
+            self._queue("set_tags", {"echo_trap.action": f"stopped at iteration {k}"})
             return False
         if self.monitor.should_rollback:
             self._roll_back(k)
         return True
 
     def _signal(self, k: int, signals: Sequence[Signal]) -> None:
-        self.background.submit(
-            self.tracker.set_tags, {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals}
-        )
+        self._queue("set_tags", {f"echo_trap.{s.name}": f"step {s.step}: {s.message}" for s in signals})
         for s in signals:
             self.log.warning("Echo-Trap signal at iteration %d: %s", k, s.message)
         # What the monitor does about them (the config's monitor.action: none, stop or rollback) is decided after.
@@ -290,18 +295,24 @@ class Training:
         self.log.warning("Echo-Trap: rolling back to the checkpoint of iteration %d", to)
         event = self.session.roll_back(k, to, [s.name for s in self.monitor.triggered])
         self.monitor.reset_to(to)
-        self.background.submit(
-            self.tracker.set_tags, {f"echo_trap.rollback_{self.monitor.rollbacks}": f"{k}->{to}"}
-        )
+        self._queue("set_tags", {f"echo_trap.rollback_{self.monitor.rollbacks}": f"{k}->{to}"})
         if self.cfg.tracking.log_artifacts:
-            self.background.submit(self.tracker.log_artifact, event, "rollbacks")
+            self._queue("log_artifact", event, "rollbacks")
+
+    def _queue(self, call: str, *args: Any) -> None:
+        """A tracking call for the step log (at once when tracking has not started: no MLflow run yet)."""
+        if self.background is None:
+            getattr(self.step_logger, call)(*args)
+        else:
+            self.background.submit(call, *args)
 
     # 4. the end ----------------------------------------------------------------------------------
     def finish(self, k: int) -> dict[str, Any]:
         """Flush the tracking calls, tag the best step, upload plots and the final and best models, say
         where to look next; returns the run's ids, its last and best steps and final metrics."""
         run = self.run
-        self.background.flush()
+        if self.background is not None:
+            self.background.flush()  # the training process's tracker holds the run again
         best, final_step = run.best_step(k), run.start_of(k + 1)  # where a last rollback went back to
         self.tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
         self.tracker.set_tags({"mlflow.note.content": run_description(self.cfg, run, self.run_id, k, best)})
@@ -331,34 +342,6 @@ class Training:
             "best_step": best,
             "metrics": final,
         }
-
-    # tracking of one step ------------------------------------------------------------------------
-    def _log_step(self, k: int, metrics: Mapping[str, float]) -> None:
-        """Log one step's artifacts, then its metrics with the step's ``iteration`` marker (idempotent
-        per step): a tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
-        tracker, run, cfg = self.tracker, self.run, self.cfg
-        if k in tracker.logged_steps:
-            return
-        if cfg.tracking.log_artifacts:
-            if k > 0 and run.rollouts(k).exists():
-                tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-                kept = None
-                if run.filter_file(k).exists():  # the filter's decisions, beside the rollouts they judge
-                    tracker.log_artifact(run.filter_file(k), f"rollouts/iter_{k:04d}")
-                    kept = list(run.read_json(run.filter_file(k))["kept_rows"])
-                rows = transcript_rows(run.rollouts(k), cfg.tracking.transcripts_per_iteration, kept)
-                if rows:
-                    tracker.log_text(
-                        to_html(rows, f"{self.run_id}, iteration {k}"), f"transcripts/iter_{k:04d}.html"
-                    )
-                # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
-                tracker.log_transcripts(rows, k, append_table=k == cfg.trainer.iterations)
-                tracker.log_episode_traces(run.rollouts(k), k, kept)  # a sample, as MLflow traces
-            if run.eval_file(k).exists():
-                tracker.log_artifact(run.eval_file(k), "eval")
-                if k == cfg.trainer.iterations:  # every validation episode of the final step as a trace
-                    tracker.log_episode_traces(run.eval_file(k), k, None)
-        tracker.log_iteration(k, dict(metrics))
 
 
 def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best: int | None) -> str:

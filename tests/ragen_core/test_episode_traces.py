@@ -1,11 +1,10 @@
 """Episodes as MLflow traces, against a real local store (sqlite + artifact folder in tmp_path): the
-hook in ``Training._log_step`` logs a sample of the train rollouts and every final validation episode,
+hook in ``StepLogger.log_step`` logs a sample of the train rollouts and every final validation episode,
 ``mlflow.search_traces`` finds them by iteration, tag and success, the turn spans hold the Parquet's
 exact text, and the feedback equals the Parquet's scores and the filter's decision."""
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -133,18 +132,16 @@ def stored_run(cfg: RagenConfig, name: str) -> RunDir:
 
 
 def log_steps(run: RunDir, cfg: RagenConfig, state: Path, mlflow_run_id: str | None = None) -> Tracker:
-    """Log every step of ``run`` through ``Training._log_step`` (the hook under test)."""
-    from ragen_core.training import Training
+    """Log every step of ``run`` through ``StepLogger.log_step`` (the hook under test)."""
+    from ragen_core.step_log import StepLogger
 
-    log = logging.getLogger("test")
     tracker = Tracker(cfg.tracking, state)
-    training = Training(run, cfg, tracker, log, log)
-    training.mlflow_run = tracker.start(run.info()["run_id"], {}, run_id=mlflow_run_id)
-    run.update_info(mlflow_run_id=training.mlflow_run)
-    with training:
+    with tracker:  # ends the MLflow run FINISHED
+        run_id = tracker.start(run.info()["run_id"], {}, run_id=mlflow_run_id)
+        run.update_info(mlflow_run_id=run_id)
+        logger = StepLogger(tracker, run, run.info()["run_id"], cfg.trainer.iterations)
         for k in range(1, ITERATIONS + 1):
-            training._log_step(k, {"a": float(k)})
-        training.status = "FINISHED"
+            logger.log_step(k, {"a": float(k)})
     return tracker
 
 

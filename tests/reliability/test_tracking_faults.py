@@ -26,6 +26,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ragen_core.log_process import ProcessStepLog
+from ragen_core.run_dir import RunDir
+from ragen_core.step_log import StepLogger
 from ragen_core.tracking import BackgroundLog, Tracker, TrackingConfig
 from tests.flows.test_train import CONFIG, TINY, only_run, ragen
 from tests.test_e2e import INHERITED_DROP_PREFIXES, free_port, kill_group, tool, wait_healthy
@@ -245,6 +248,13 @@ def test_dead_server_costs_one_short_failure_then_nothing(server: Server, tmp_pa
     bg = BackgroundLog()
     bg.submit(tr.log_iteration, 0, {"x": 0.0})
     bg.flush()
+    # the same through the run's logging process (the default): its tracker goes offline over there
+    in_process = Tracker(TrackingConfig(tracking_uri=server.uri, experiment="faults"), tmp_path)
+    process_run = in_process.start("dead-server-process", {})
+    (tmp_path / "process-run").mkdir()
+    plog = ProcessStepLog(StepLogger(in_process, RunDir(tmp_path / "process-run"), "dead-server-process", 3))
+    plog.submit("log_step", 0, {"x": 0.0})
+    plog.flush()
     server.kill()  # left down: the next test that needs it restarts it
 
     t0 = time.monotonic()
@@ -259,6 +269,17 @@ def test_dead_server_costs_one_short_failure_then_nothing(server: Server, tmp_pa
     assert "connection refused" in tr.offline and "\n" not in tr.offline
     assert tr.logged_steps == {0}
     assert later_calls_are_free(tr, tmp_path) < LATER_CALLS_S
+
+    for k in (1, 2, 3):
+        plog.submit("log_step", k, {"x": float(k)})
+    plog.flush()  # raises nothing; the training process's tracker is offline too, with the reason
+    assert in_process.offline is not None
+    assert in_process.offline.startswith(
+        f"MLflow at {server.uri} unreachable since log iteration 1 of run {process_run}"
+    )
+    assert in_process.logged_steps == {0}
+    plog.close()
+    assert later_calls_are_free(in_process, tmp_path) < LATER_CALLS_S
 
     msg = tr.offline_message("my-run", tmp_path / "runs" / "my-run")
     assert msg is not None and msg.startswith(tr.offline)
