@@ -147,7 +147,8 @@ class ProcessStepLog:
 
     def _receive(self) -> tuple[Any, ...] | None:
         try:
-            return self._conn.recv()
+            message: tuple[Any, ...] = self._conn.recv()
+            return message
         except (EOFError, OSError):
             self._died()
             return None
@@ -173,7 +174,8 @@ class ProcessStepLog:
             if self._error is None:
                 self._error = pickle.loads(message[1])
             return None
-        return message[1]
+        state: TrackerState = message[1]
+        return state
 
     def _poll_errors(self) -> None:
         while not self._dead and self._conn.poll():
@@ -274,11 +276,10 @@ def serve(conn: Connection) -> None:
             return
         kind = message[0]
         if kind == "attach":
-            state: TrackerState = message[1]
-            if tracker is None:
-                state = replace(state, offline=state.offline or unusable)
-            else:
-                tracker.take_over(state)
+            handed: TrackerState = message[1]
+            state = replace(handed, offline=handed.offline or unusable) if tracker is None else None
+            if tracker is not None:
+                tracker.take_over(handed)
         elif kind == "call" and not failed and logger is not None:
             try:
                 getattr(logger, message[1])(*message[2])
