@@ -19,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from ragen_core.priority import lower_priority, nice_increment
 from ragen_core.state_folder import state_dir
 
 STATE_DIR = state_dir()
@@ -152,17 +153,11 @@ EPHEMERAL_SERVER_NICE = "RAGEN_PREFECT_SERVER_NICE"
 def deprioritise_ephemeral_server() -> list[int]:
     """Lower the CPU priority of this process's ephemeral Prefect server (Linux; a server named by
     ``PREFECT_API_URL`` is not our child and is left alone). Returns the pids changed. Idempotent."""
-    try:
-        nice = int(os.environ.get(EPHEMERAL_SERVER_NICE, "10"))
-    except ValueError:
-        raise ValueError(
-            f"{EPHEMERAL_SERVER_NICE}={os.environ[EPHEMERAL_SERVER_NICE]!r} is not a number; use 0 (off) to 19"
-        ) from None
+    nice = nice_increment(EPHEMERAL_SERVER_NICE)
     proc = Path("/proc")
     if nice <= 0 or not proc.is_dir():
         return []
     me, changed = os.getpid(), []
-    target = min(os.getpriority(os.PRIO_PROCESS, 0) + nice, 19)
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
@@ -171,10 +166,8 @@ def deprioritise_ephemeral_server() -> list[int]:
                 continue
             if b"prefect.server.api.server:create_app" not in (d / "cmdline").read_bytes():
                 continue
-            pid = int(d.name)
-            if os.getpriority(os.PRIO_PROCESS, pid) < target:
-                os.setpriority(os.PRIO_PROCESS, pid, target)
-            changed.append(pid)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to change
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
+        if lower_priority(int(d.name), nice):
+            changed.append(int(d.name))
     return changed

@@ -45,11 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.errors import RagenError
+from ragen_core.priority import lower_priority, nice_increment
 from ragen_core.step_log import CALLS, LocalStepLog, StepLog, StepLogger
 from ragen_core.tracking import BackgroundMode, Tracker, TrackerState
 
 #: Held (shared) by a run's logging process for as long as it lives; beside the run's LOCK.
 LOCK_NAME = "LOGGING.lock"
+#: How much lower than training the logging process runs (``nice`` increment, 0 to 19; default 10):
+#: its work is after the fact, and at equal priority it takes a core from the rollout loop on a
+#: 2-core machine (``ragen_core.priority``).
+NICE_VAR = "RAGEN_LOG_PROCESS_NICE"
 
 
 class EarlierLoggingError(RagenError, RuntimeError):
@@ -99,6 +104,7 @@ class ProcessStepLog:
 
     def __init__(self, logger: StepLogger) -> None:
         self.tracker = logger.tracker
+        nice = nice_increment(NICE_VAR)  # a bad value fails before anything starts
         mine, theirs = socket.socketpair()
         lock = os.open(logger.run.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -112,6 +118,7 @@ class ProcessStepLog:
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
+            lower_priority(self.process.pid, nice)
         finally:
             os.close(lock)  # the logging process holds it now
             theirs.close()

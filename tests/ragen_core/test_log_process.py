@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from ragen_core.log_process import (
     LOCK_NAME,
+    NICE_VAR,
     EarlierLoggingError,
     ProcessStepLog,
     open_step_log,
@@ -189,6 +190,25 @@ def test_a_resume_stops_waiting_for_a_stuck_logging_process(tmp_path: Path) -> N
     wait_for_earlier_logging(tmp_path, timeout_s=1.0)  # free again
     with open(tmp_path / LOCK_NAME) as f:  # and nothing of ours holds it
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_logging_process_runs_below_training_and_a_bad_nice_is_named(
+    state_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker, logger = started(state_dir, tmp_path, "nice")
+    monkeypatch.setenv(NICE_VAR, "ten")
+    with pytest.raises(ValueError, match=f"{NICE_VAR}='ten'.*0 \\(off\\) to 19"):
+        ProcessStepLog(logger)  # before any process is started or lock taken
+    assert not (logger.run.root / LOCK_NAME).exists()
+    monkeypatch.delenv(NICE_VAR)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    log = ProcessStepLog(logger)
+    assert os.getpriority(os.PRIO_PROCESS, log.pid) == min(mine + 10, 19)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine, "training keeps its own priority"
+    log.submit("log_step", 1, {"a": 1.0})
+    log.close()
+    assert tracker.logged_steps == {1}
+    tracker.end()
 
 
 def test_the_other_modes_log_in_this_process(state_dir: Path, tmp_path: Path) -> None:
