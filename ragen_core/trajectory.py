@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ragen_core.integrity import CorruptFileError, record, verify
+from ragen_core.integrity import CorruptFileError, record, recorded, verify
 from ragen_core.storage import write_error
 
 #: v2 numbers the ``iteration`` column as the folders and MLflow steps do: iteration ``k``'s train rows
@@ -129,6 +131,46 @@ def to_table(trajectories: Iterable[Trajectory]) -> pa.Table:
     return pa.Table.from_pydict(rows, schema=SCHEMA)
 
 
+class _RecentTables:
+    """The tables this process wrote last, by path: an iteration's filter and learn stages read the
+    rollouts its rollout stage has just written (about 6 ms of hashing and Parquet decoding each on
+    a tiny config). A table is served only while its file is the one written (same inode, size and
+    mtime) and its recorded digest is the one recorded then; anything else reads the file."""
+
+    def __init__(self, capacity: int = 2) -> None:
+        self.capacity = capacity
+        self._tables: OrderedDict[str, tuple[tuple[int, int, int], str, pa.Table]] = OrderedDict()
+        self._lock = threading.Lock()  # the logging thread reads rollouts too
+
+    @staticmethod
+    def _ident(path: Path) -> tuple[int, int, int]:
+        st = path.stat()
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def put(self, path: Path, digest: str, table: pa.Table) -> None:
+        with self._lock:
+            self._tables[str(path.resolve())] = (self._ident(path), digest, table)
+            self._tables.move_to_end(str(path.resolve()))
+            while len(self._tables) > self.capacity:
+                self._tables.popitem(last=False)
+
+    def get(self, path: Path) -> pa.Table | None:
+        with self._lock:
+            entry = self._tables.get(str(path.resolve()))
+        if entry is None:
+            return None
+        ident, digest, table = entry
+        try:
+            if self._ident(path) != ident or recorded(path) != digest:
+                return None
+        except OSError:
+            return None
+        return table
+
+
+_RECENT = _RecentTables()
+
+
 def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
     """Write ``table`` to ``path`` atomically (temp file + fsync + rename), zstd compressed, and
     record its sha256 in the folder's ``SHA256SUMS``.
@@ -150,13 +192,15 @@ def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        record(path)
+        digest = record(path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
         raise write_error(path, exc, "trajectories") from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    # As a read would give it: Parquet names list items "element" where Arrow says "item".
+    _RECENT.put(path, digest, table.cast(pq.read_schema(path)).select(SCHEMA.names))
     return path
 
 
@@ -168,11 +212,15 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
     """Read and validate a trajectory file; every error names the file and what is wrong with it.
 
     Checks, in order: the sha256 recorded when the file was written (if any), that Parquet can read
-    it, its schema version, and every column's presence and type.
+    it, its schema version, and every column's presence and type. A file this process has just
+    written, still unchanged, is served from memory (the same table, already checked).
     """
     path = Path(path)
     if not path.exists():
         raise TrajectoryFileError(f"{path}: no such trajectory file")
+    recent = _RECENT.get(path)
+    if recent is not None:
+        return recent
     try:
         verify(path, fix=_repair(path))
     except CorruptFileError as exc:

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from ragen_core.integrity import record
 from ragen_core.trajectory import (
     SCHEMA_VERSION_KEY,
     Trajectory,
@@ -190,6 +191,34 @@ def test_a_flipped_byte_that_parquet_still_reads_is_reported_as_corrupt(tmp_path
     (tmp_path / "SHA256SUMS").unlink()
     pq.write_table(table, tmp_path / "unrecorded.parquet")  # written by someone else: no record
     assert read_table(tmp_path / "unrecorded.parquet").num_rows == 4
+
+
+def test_a_table_just_written_is_served_from_memory_only_while_its_file_is_unchanged(tmp_path: Path) -> None:
+    path = write_trajectories([make_traj(i) for i in range(4)], tmp_path / "rollouts.parquet")
+    first = read_table(path)
+    assert read_table(path) is first, "the filter and learn stages get the table the rollout stage wrote"
+    from_disk = pq.read_table(path)
+    assert first.equals(from_disk.select(first.schema.names), check_metadata=True)
+    assert first.schema.equals(from_disk.select(first.schema.names).schema, check_metadata=True)
+    # Another writer replaces the file (and records it): the new content is read, not the old table.
+    other = to_table([make_traj(i) for i in range(6)]).replace_schema_metadata(from_disk.schema.metadata)
+    pq.write_table(other, path)
+    record(path)
+    assert read_table(path).num_rows == 6
+    # A file changed behind the record is checked, as any other: the memory copy is not served.
+    path = write_trajectories([make_traj(i) for i in range(4)], tmp_path / "again.parquet")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(TrajectoryFileError, match="corrupt file"):
+        read_table(path)
+    # Only the last two written tables are kept.
+    kept = write_trajectories([make_traj(i) for i in range(2)], tmp_path / "a.parquet")
+    held = read_table(kept)
+    for name in ("b", "c"):
+        write_trajectories([make_traj(i) for i in range(2)], tmp_path / f"{name}.parquet")
+    again = read_table(kept)
+    assert again is not held and again.equals(held)
 
 
 def test_a_column_of_the_wrong_type_is_named(tmp_path: Path) -> None:
