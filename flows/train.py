@@ -128,7 +128,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         link_mlflow_run(training.run_id, tracker.run_url(mlflow_run), mlflow_run)
         warm_start_task(str(run.root))
         training.log_config()
-        register_session(run, training.open_session())
+        register_session(run, training.open_session(), training.rollouts_judged)
         try:
             last = training.catch_up(evaluate=lambda step: evaluate_task(str(run.root), step)["metrics"])
             iteration = iteration_runner(cfg)

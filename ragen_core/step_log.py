@@ -2,9 +2,9 @@
 
 :class:`StepLogger` logs one step from what the run directory holds (files written before the
 step's DONE mark): the rollouts Parquet and the filter's decisions as artifacts, the transcripts
-page, a sample of episodes as traces, the validation file, then the metrics with the step's marker
-(idempotent per step). It needs only the run folder and a :class:`~ragen_core.tracking.Tracker`, so
-it runs in any process.
+page, a sample of episodes as traces (these four as soon as the filter has judged the rollouts),
+the validation file, then the metrics with the step's marker (idempotent per step). It needs only
+the run folder and a :class:`~ragen_core.tracking.Tracker`, so it runs in any process.
 
 Where it runs is ``tracking.background`` (``ragen_core.log_process.open_step_log``):
 
@@ -31,7 +31,7 @@ from ragen_core.tracking import BackgroundLog, Tracker
 from ragen_core.transcripts import to_html, transcript_rows
 
 #: The calls a step log accepts (methods of :class:`StepLogger`), by name: they cross a process boundary.
-CALLS = ("log_step", "set_tags", "log_artifact")
+CALLS = ("log_rollouts", "log_step", "set_tags", "log_artifact")
 
 
 class StepLogger:
@@ -39,32 +39,44 @@ class StepLogger:
 
     def __init__(self, tracker: Tracker, run: RunDir, run_id: str, iterations: int) -> None:
         self.tracker, self.run, self.run_id, self.iterations = tracker, run, run_id, iterations
+        self._rollouts_logged: set[int] = set()  # by this process; the store's marker is the metrics'
+
+    def log_rollouts(self, k: int) -> None:
+        """Log iteration ``k``'s rollouts once the filter has judged them: the Parquet and the filter's
+        decisions as artifacts, the transcripts page, a sample of episodes as traces. Sent while the
+        learner trains on them, so that the end of the iteration leaves only its metrics to log; once
+        per process (a resume that finds the step unmarked logs it again, uploads overwrite and
+        traces already stored are skipped)."""
+        tracker, run = self.tracker, self.run
+        if k in tracker.logged_steps or k in self._rollouts_logged:
+            return
+        self._rollouts_logged.add(k)
+        if not tracker.cfg.log_artifacts or k <= 0 or not run.rollouts(k).exists():
+            return
+        tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
+        kept = None
+        if run.filter_file(k).exists():  # the filter's decisions, beside the rollouts they judge
+            tracker.log_artifact(run.filter_file(k), f"rollouts/iter_{k:04d}")
+            kept = list(run.read_json(run.filter_file(k))["kept_rows"])
+        rows = transcript_rows(run.rollouts(k), tracker.cfg.transcripts_per_iteration, kept)
+        if rows:
+            tracker.log_text(to_html(rows, f"{self.run_id}, iteration {k}"), f"transcripts/iter_{k:04d}.html")
+        # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
+        tracker.log_transcripts(rows, k, append_table=k == self.iterations)
+        tracker.log_episode_traces(run.rollouts(k), k, kept)  # a sample, as MLflow traces
 
     def log_step(self, k: int, metrics: Mapping[str, float]) -> None:
-        """Log one step's artifacts, then its metrics with the step's marker (idempotent per step): a
-        tracking server lost in between leaves the step unmarked, so a resume logs it whole."""
+        """Log one step: its rollouts (unless :meth:`log_rollouts` did), the validation file, then its
+        metrics with the step's marker (idempotent per step): a tracking server lost in between leaves
+        the step unmarked, so a resume logs it whole."""
         tracker, run = self.tracker, self.run
         if k in tracker.logged_steps:
             return
-        if tracker.cfg.log_artifacts:
-            if k > 0 and run.rollouts(k).exists():
-                tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-                kept = None
-                if run.filter_file(k).exists():  # the filter's decisions, beside the rollouts they judge
-                    tracker.log_artifact(run.filter_file(k), f"rollouts/iter_{k:04d}")
-                    kept = list(run.read_json(run.filter_file(k))["kept_rows"])
-                rows = transcript_rows(run.rollouts(k), tracker.cfg.transcripts_per_iteration, kept)
-                if rows:
-                    tracker.log_text(
-                        to_html(rows, f"{self.run_id}, iteration {k}"), f"transcripts/iter_{k:04d}.html"
-                    )
-                # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
-                tracker.log_transcripts(rows, k, append_table=k == self.iterations)
-                tracker.log_episode_traces(run.rollouts(k), k, kept)  # a sample, as MLflow traces
-            if run.eval_file(k).exists():
-                tracker.log_artifact(run.eval_file(k), "eval")
-                if k == self.iterations:  # every validation episode of the final step as a trace
-                    tracker.log_episode_traces(run.eval_file(k), k, None)
+        self.log_rollouts(k)
+        if tracker.cfg.log_artifacts and run.eval_file(k).exists():
+            tracker.log_artifact(run.eval_file(k), "eval")
+            if k == self.iterations:  # every validation episode of the final step as a trace
+                tracker.log_episode_traces(run.eval_file(k), k, None)
         tracker.log_iteration(k, dict(metrics))
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:

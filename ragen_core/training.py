@@ -261,6 +261,11 @@ class Training:
                 break
         return k
 
+    def rollouts_judged(self, k: int) -> None:
+        """Iteration ``k``'s rollouts are final (the filter has decided): their MLflow logging starts
+        now, while the learner trains on them, and the iteration's end leaves only its metrics."""
+        self._queue("log_rollouts", k)
+
     def _after_iteration(self, k: int, metrics: dict[str, float]) -> bool:
         """Log iteration ``k``, act on the monitor's signals; False when the run should stop."""
         signals = self.monitor.update(k, metrics)

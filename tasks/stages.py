@@ -5,11 +5,14 @@ no Prefect cache and persist no result: whether a stage's stored output can be r
 by the library from the run directory alone (``ragen_core.stage_record``: only this run's outputs,
 only while they match their recorded digests and inputs), so a resumed run never takes another
 run's result, and no pickled result is ever read back. The live rollout worker and learner are not
-task inputs: they are looked up in the session registry of this process.
+task inputs: they are looked up in the session registry of this process, beside what the run wants
+told when an iteration's rollouts are judged (its MLflow logging starts then, while the learner
+trains).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -20,10 +23,18 @@ from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
 
 _SESSIONS: dict[str, Session] = {}
+_ROLLOUTS_JUDGED: dict[str, Callable[[int], None]] = {}
 
 
-def register_session(run: RunDir, session: Session) -> None:
-    _SESSIONS[str(run.root.resolve())] = session
+def register_session(
+    run: RunDir, session: Session, rollouts_judged: Callable[[int], None] | None = None
+) -> None:
+    """The live session of ``run`` for its stage tasks; ``rollouts_judged(k)`` is called once the
+    filter task of iteration ``k`` has decided (the rollouts are final from then on)."""
+    key = str(run.root.resolve())
+    _SESSIONS[key] = session
+    if rollouts_judged is not None:
+        _ROLLOUTS_JUDGED[key] = rollouts_judged
 
 
 def session_for(run: RunDir) -> Session:
@@ -34,6 +45,7 @@ def session_for(run: RunDir) -> Session:
 
 
 def drop_session(run: RunDir) -> Session | None:
+    _ROLLOUTS_JUDGED.pop(str(run.root.resolve()), None)
     return _SESSIONS.pop(str(run.root.resolve()), None)
 
 
@@ -68,6 +80,9 @@ def rollout_task(run_root: str, k: int) -> dict[str, Any]:
 def filter_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
     kept, metrics = stages.filter_stage(session_for(run).cfg, run, k)
+    judged = _ROLLOUTS_JUDGED.get(str(run.root.resolve()))
+    if judged is not None:
+        judged(k)
     return {"kept": kept, "metrics": metrics}
 
 

@@ -337,6 +337,49 @@ def test_a_resumed_run_adds_no_duplicates_and_a_failing_store_goes_offline(
     assert search(uri, exp, run_id=fresh_run) == []
 
 
+def test_rollouts_logged_before_the_step_are_not_logged_twice_and_a_resume_logs_the_step_whole(
+    store: Path, tmp_path: Path
+) -> None:
+    """The flow logs an iteration's rollouts once the filter has judged them (``log_rollouts``) and
+    its metrics at its end (``log_step``): the step gets each artifact and trace once; a process that
+    died between the two leaves the step unmarked, and the resume's ``log_step`` adds what is missing
+    without a second copy of the traces."""
+    from mlflow.tracking import MlflowClient
+
+    from ragen_core.step_log import StepLogger
+
+    assert ITERATIONS == 2  # iteration 2 is the last, with the final evaluation
+    cfg = config(tmp_path, "tracking.experiment=traces-early")
+    run = stored_run(cfg, "early")
+    tracker = Tracker(cfg.tracking, store)
+    mlflow_run = tracker.start("early", {})
+    uri, exp = tracker.tracking_uri, tracker.experiment_id
+    assert exp is not None
+    logger = StepLogger(tracker, run, "early", cfg.trainer.iterations)
+    logger.log_rollouts(1)
+    assert len(search(uri, exp, run_id=mlflow_run)) == 2 * len(TAGS)  # before the step's metrics
+    logger.log_step(1, {"a": 1.0})
+    logger.log_rollouts(2)  # the process dies before iteration 2's metrics
+    assert len(search(uri, exp, run_id=mlflow_run)) == 2 * 2 * len(TAGS)
+    tracker.end("KILLED")
+
+    resumed = Tracker(cfg.tracking, store)
+    resumed.start("early", {}, run_id=mlflow_run)
+    assert resumed.logged_steps == {1}
+    again = StepLogger(resumed, run, "early", cfg.trainer.iterations)
+    for k in (1, 2):
+        again.log_step(k, {"a": float(k)})
+    resumed.end()
+    assert resumed.logged_steps == {1, 2}
+    # no duplicates: 2 per tag and iteration, and the final evaluation's 8 episodes (iteration 2)
+    assert len(search(uri, exp, run_id=mlflow_run)) == ITERATIONS * 2 * len(TAGS) + 8
+    client = MlflowClient(tracking_uri=uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(mlflow_run, "a")] == [(1, 1.0), (2, 2.0)]
+    for k in (1, 2):
+        files = {f.path for f in client.list_artifacts(mlflow_run, f"rollouts/iter_{k:04d}")}
+        assert files == {f"rollouts/iter_{k:04d}/rollouts.parquet", f"rollouts/iter_{k:04d}/filter.json"}
+
+
 @pytest.mark.parametrize(
     "overrides",
     [("tracking.traces_per_tag=0",), ("tracking.max_traces_per_step=0",), ("tracking.log_artifacts=false",)],

@@ -28,12 +28,20 @@ def test_iteration_reuses_only_intact_stage_outputs_of_its_own_run(tmp_path: Pat
     run = create_run(cfg, "reuse")
     init_policy_stage(cfg, run)
     session = Session(cfg, run, backend="local")
-    register_session(run, session)
+    judged: list[tuple[int, bool, bool]] = []  # (k, filter decided, checkpoint written) when told
+    register_session(
+        run,
+        session,
+        lambda k: judged.append((k, run.filter_file(k).exists(), run.checkpoint(k).exists())),
+    )
     learner = session.learner.learner
     try:
         with prefect_test_harness(server_startup_timeout=STARTUP_S):
             iteration_flow(str(run.root), 1)
             assert learner.global_step == 1 and RunDir(run.root).last_complete() == 1
+            # The run hears of the judged rollouts once the filter has decided, before the learner
+            # steps (its MLflow logging of them overlaps the update).
+            assert judged == [(1, True, False)]
             stored = run.rollouts(1).read_bytes()
             saved = (run.checkpoint(1) / "manifest.json").stat().st_mtime_ns
             iteration_flow(str(run.root), 1)  # same inputs, intact outputs: every stage is reused
