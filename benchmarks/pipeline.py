@@ -30,7 +30,9 @@ write, allocator warm-up) is reported apart; the headline is the median over ite
 the per-iteration ratio flow / plain; the fixed overhead is the median of flow - plain.
 CPU seconds per iteration are printed too (this process, all threads, plus the Prefect server and
 the MLflow logging process, read from /proc; local backend only): they move much less with the
-machine's load.
+machine's load. So is where the flow's main thread was when it was not running (waiting for a core,
+or asleep), and what the process's other threads (Prefect's event loop, the progress artifact's
+worker) used: on a 2-core machine those are what background work costs the loop.
 
 One-time costs (reported, not in the ratio): the warm start, Session construction, Prefect's
 ephemeral server start and the flow-run creation, the MLflow run start, and the end of the flow
@@ -51,6 +53,7 @@ line reads ``BENCH pipeline_overhead ratio=<flow/plain> target=<=1.15 PASS|MISS`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -250,6 +253,37 @@ def cpu_now() -> tuple[float, float]:
     return time.process_time(), SERVER_CPU() + LOGGING_CPU()
 
 
+def main_runqueue_wait() -> float:
+    """Seconds the calling thread has been runnable but waiting for a core (Linux schedstat; 0
+    elsewhere): what other processes and threads took from it, as against its own sleeping."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def threads_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process, by native thread id (Linux; empty elsewhere)."""
+    out: dict[int, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+    return out
+
+
+def other_threads_cpu(before: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each thread other than this one used since ``before`` (by thread name)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    me = threading.get_native_id()
+    out: dict[str, float] = defaultdict(float)
+    for tid, seconds in threads_cpu().items():
+        if tid != me:
+            out[names.get(tid, f"thread {tid}")] += seconds - before.get(tid, 0.0)
+    return dict(out)
+
+
 # ------------------------------------------------------------------------------------ set-up
 def bench_config(
     config: str,
@@ -402,6 +436,10 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
     flow_cpu: dict[int, tuple[float, float]] = {}
     flow_main0: dict[int, float] = {}
     flow_main: dict[int, float] = {}
+    flow_runq0: dict[int, float] = {}
+    flow_runq: dict[int, float] = {}
+    flow_threads0: dict[int, dict[int, float]] = {}
+    flow_threads: dict[int, dict[str, float]] = {}
     per_iter_parts: dict[int, dict[str, float]] = {}
     session_s: list[float] = []
     state = {"open": 0, "deferred": 0, "counting": 0}
@@ -424,16 +462,22 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         backgrounds.append(log)
         return log
 
+    nested = threading.local()  # per thread: thread mode runs the calls in the logging thread
+
     def timed_call(name: str) -> Any:
         """A StepLogger method that adds up the CPU time of the thread running it (thread / off modes;
         in the logging process the calls run unpatched, and that process's CPU is read from /proc)."""
         real = real_logger_calls[name]
 
         def timed(self: Any, *a: Any, **kw: Any) -> Any:
+            if getattr(nested, "depth", 0):  # log_step runs log_rollouts itself: counted once, outermost
+                return real(self, *a, **kw)
+            nested.depth = 1
             t0 = time.thread_time()
             try:
                 return real(self, *a, **kw)
             finally:
+                nested.depth = 0
                 if state["counting"]:
                     background_cpu[name] += time.thread_time() - t0
 
@@ -454,6 +498,8 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             flow_times[k] = now - flow_start[k]
             c = cpu_now()
             flow_main[k] = time.thread_time() - flow_main0[k]
+            flow_runq[k] = main_runqueue_wait() - flow_runq0[k]
+            flow_threads[k] = other_threads_cpu(flow_threads0[k])
             flow_cpu[k] = (c[0] - flow_cpu0[k][0], c[1] - flow_cpu0[k][1])
             if prof is not None and k > 1:
                 prof.disable()
@@ -491,6 +537,8 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
             prof.enable()
         flow_cpu0[k] = cpu_now()
         flow_main0[k] = time.thread_time()
+        flow_runq0[k] = main_runqueue_wait()
+        flow_threads0[k] = threads_cpu()
         flow_start[k] = time.perf_counter()
         return real_iteration(run_root, k)
 
@@ -553,6 +601,8 @@ def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bo
         "flow_cpu": flow_cpu,
         "plain_cpu": dict(plain.cpu),
         "flow_main_cpu": flow_main,
+        "flow_runqueue": flow_runq,
+        "flow_threads": flow_threads,
         "plain_main_cpu": dict(plain.main_cpu),
         "parts": per_iter_parts,
         "plain_parts": dict(plain.parts),
@@ -620,6 +670,23 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
         f"{statistics.median(fm[k] for k in steady):.3f} s, plain {statistics.median(pm[k] for k in steady):.3f} s "
         f"(medians); median ratio {statistics.median(fm[k] / pm[k] for k in steady):.3f}"
     )
+    runq, drains = res["flow_runqueue"], res["drains"]
+    asleep = [flow[k] - fm[k] - runq[k] - drains.get(k, 0.0) for k in steady]
+    print(
+        f"flow main thread off its core, iterations 2..{n} (medians): waiting for a core "
+        f"{1000 * statistics.median(runq[k] for k in steady):.0f} ms, asleep {1000 * statistics.median(asleep):.0f} ms "
+        "(the interpreter lock, file I/O; the charged wait below not counted)"
+    )
+    threads: dict[str, float] = defaultdict(float)
+    for k in steady:
+        for name, seconds in res["flow_threads"][k].items():
+            threads[name] += seconds / len(steady)
+    busy = sorted(((v, name) for name, v in threads.items() if v >= 0.0005), reverse=True)
+    if busy:
+        print(
+            "other threads of this process during flow iterations, CPU ms per iteration: "
+            + ", ".join(f"{name} {1000 * v:.0f}" for v, name in busy)
+        )
     drained = [res["drains"][k] for k in steady if k in res["drains"]]
     if drained:
         print(
@@ -689,7 +756,10 @@ def summarize(res: dict[str, Any]) -> tuple[float, float]:
     return ratio, overhead
 
 
-def print_profile(prof: Any, top: int = 40) -> None:
+def print_profile(prof: Any, top: int = 40, out_file: str | None = None) -> None:
+    if out_file:
+        prof.dump_stats(out_file)
+        print(f"cProfile stats written to {out_file} (python -m pstats {out_file})")
     import io
     import pstats
 
@@ -724,12 +794,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 iterations, local backend only")
     parser.add_argument(
-        "--iterations", type=int, default=None, help="iterations per side (default 10; quick 5)"
+        "--iterations", type=int, default=None, help="iterations per side (default 20; quick 5)"
     )
     parser.add_argument("--config", default=str(ROOT / "configs" / "bandit-tiny.yaml"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer.rollout_threads)")
     parser.add_argument("--ray", action="store_true", help="also run the Ray backend (informative)")
     parser.add_argument("--profile", action="store_true", help="cProfile the flow's iterations")
+    parser.add_argument(
+        "--profile-out", default=None, metavar="FILE", help="with --profile: also write the stats to FILE"
+    )
     parser.add_argument("--fresh", action="store_true", help="redo the cached SFT warm start")
     parser.add_argument("--keep", action="store_true", help="keep the temporary state folder")
     parser.add_argument(
@@ -747,7 +820,7 @@ def main() -> None:
         help="one more config override for both sides (e.g. tracking.traces_per_tag=0): what a part costs",
     )
     args = parser.parse_args()
-    n = args.iterations or (5 if args.quick else 10)
+    n = args.iterations or (5 if args.quick else 20)
     if n < 3:
         parser.error("--iterations must be at least 3")
 
@@ -780,7 +853,7 @@ def main() -> None:
         results = [compare(cfg, init_policy, "local", clock, args.profile)]
         ratio, overhead = summarize(results[0])
         if args.profile and results[0]["profile"] is not None:
-            print_profile(results[0]["profile"])
+            print_profile(results[0]["profile"], out_file=args.profile_out)
         ray_line = None
         if args.ray and not args.quick:
             cfg_ray = bench_config(
