@@ -9,8 +9,8 @@ import pytest
 
 from ragen_core.config import load_config
 from ragen_core.run_dir import RunDir, create_run
-from ragen_core.stages import EmptyFilterError, filter_stage
-from ragen_core.trajectory import Trajectory, write_trajectories
+from ragen_core.stages import EmptyFilterError, filter_stage, learn_stage
+from ragen_core.trajectory import TokenBatch, Trajectory, write_trajectories
 
 BASE = ["train.tags=[Bandit]", "train.n_groups=[4]", "train.group_size=2", "learner.optim.mini_batch_size=2"]
 #: 4 groups of 2: scores {1, 1} std 0 / {0, 2} std 1.41 / {0, 0} std 0 / {1, 2} std 0.71;
@@ -123,3 +123,45 @@ def test_a_filter_that_keeps_nothing_names_the_cause_and_the_fix(tmp_path: Path,
     ):
         filter_stage(cfg, run, 1)  # type: ignore[arg-type]
     assert not run.filter_file(1).exists()
+
+
+class _RecordingSession:
+    """What the learn stage uses of a Session and its learner, recording each learner step."""
+
+    def __init__(self) -> None:
+        self.learner = self
+        self.at = 0
+        self.steps: list[tuple[list[int], float]] = []
+
+    def restore(self, k: int) -> None:
+        self.at = k
+
+    def step(self, batch: TokenBatch, advantage_scale: float = 1.0) -> dict[str, float]:
+        self.steps.append((batch.group_ids.tolist(), advantage_scale))
+        return {"actor/pg_loss": 0.0}
+
+    def save_checkpoint(self, path: str, k: int) -> None:
+        Path(path, "policy").mkdir(parents=True, exist_ok=True)
+        Path(path, "manifest.json").write_text(json.dumps({"iteration": k}))
+
+    def advance(self, k: int) -> None:
+        self.at = k
+
+
+@pytest.mark.parametrize(("mode", "scale"), [("none", 1.0), ("linear", 0.5), ("sqrt", 0.5**0.5)])
+def test_the_learn_stage_scales_the_advantages_by_the_kept_fraction_of_groups(
+    tmp_path: Path, local_state: Path, mode: str, scale: float
+) -> None:
+    """rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling) from the filter's decision on disk
+    to the learner step: 2 of 4 groups kept, the step gets only their rows and the factor r, sqrt(r)
+    or 1."""
+    run, cfg = _run(
+        tmp_path,
+        ["rollout.filter_ratio=0.5", f"rollout.filter.loss_scaling={mode}", "monitor.collapse_every=0"],
+        local_state,
+    )
+    kept, _ = filter_stage(cfg, run, 1)  # type: ignore[arg-type]
+    session = _RecordingSession()
+    learn_stage(cfg, run, 1, session, kept)  # type: ignore[arg-type]
+    assert session.steps == [([1, 1, 3, 3], pytest.approx(scale))]
+    assert session.at == 1 and (run.checkpoint(1) / "manifest.json").is_file()
