@@ -132,10 +132,11 @@ def to_table(trajectories: Iterable[Trajectory]) -> pa.Table:
 
 
 class _RecentTables:
-    """The tables this process wrote last, by path: an iteration's filter and learn stages read the
-    rollouts its rollout stage has just written (about 6 ms of hashing and Parquet decoding each on
-    a tiny config). A table is served only while its file is the one written (same inode, size and
-    mtime) and its recorded digest is the one recorded then; anything else reads the file."""
+    """The tables this process wrote or read (and checked) last, by path: an iteration's filter and
+    learn stages read the rollouts its rollout stage has just written, the logging process reads them
+    for the transcripts page and for the traces (about 6 ms of hashing and Parquet decoding each on a
+    tiny config). A table is served only while its file is the one written or checked (same inode,
+    size and mtime) and its recorded digest is the one recorded then; anything else reads the file."""
 
     def __init__(self, capacity: int = 2) -> None:
         self.capacity = capacity
@@ -213,7 +214,7 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
 
     Checks, in order: the sha256 recorded when the file was written (if any), that Parquet can read
     it, its schema version, and every column's presence and type. A file this process has just
-    written, still unchanged, is served from memory (the same table, already checked).
+    written or read, still unchanged, is served from memory (the same table, already checked).
     """
     path = Path(path)
     if not path.exists():
@@ -251,7 +252,11 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
                 f"{path}: column {expected.name!r} has type {actual}, expected {expected.type} "
                 f"(trajectory schema v{SCHEMA_VERSION}); not a file this ragen-flow wrote, or it was edited"
             )
-    return table.select(SCHEMA.names)
+    table = table.select(SCHEMA.names)
+    digest = recorded(path)
+    if digest is not None:  # checked against it above: a second read of the unchanged file is free
+        _RECENT.put(path, digest, table)
+    return table
 
 
 def schema_version(path: str | os.PathLike[str]) -> str:

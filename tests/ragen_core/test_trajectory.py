@@ -212,6 +212,11 @@ def test_a_table_just_written_is_served_from_memory_only_while_its_file_is_uncha
     path.write_bytes(bytes(data))
     with pytest.raises(TrajectoryFileError, match="corrupt file"):
         read_table(path)
+    # A file read (and checked against its record) once is read from memory the second time.
+    pq.write_table(other, tmp_path / "theirs.parquet")
+    record(tmp_path / "theirs.parquet")
+    theirs = read_table(tmp_path / "theirs.parquet")
+    assert read_table(tmp_path / "theirs.parquet") is theirs
     # Only the last two written tables are kept.
     kept = write_trajectories([make_traj(i) for i in range(2)], tmp_path / "a.parquet")
     held = read_table(kept)
