@@ -136,7 +136,10 @@ class _RecentTables:
     learn stages read the rollouts its rollout stage has just written, the logging process reads them
     for the transcripts page and for the traces (about 6 ms of hashing and Parquet decoding each on a
     tiny config). A table is served only while its file is the one written or checked (same inode,
-    size and mtime) and its recorded digest is the one recorded then; anything else reads the file."""
+    size and mtime) and its recorded digest is the one recorded then; anything else reads the file.
+    A file replaced (as every writer here does, by rename) has a new inode; one edited in place has a
+    new mtime, except within one clock tick on kernels with coarse file timestamps (before Linux
+    6.13's multigrain timestamps), the same assumption as ``run_dir.file_digest``'s memo."""
 
     def __init__(self, capacity: int = 2) -> None:
         self.capacity = capacity
