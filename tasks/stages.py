@@ -33,7 +33,9 @@ def register_session(
     filter task of iteration ``k`` has decided (the rollouts are final from then on)."""
     key = str(run.root.resolve())
     _SESSIONS[key] = session
-    if rollouts_judged is not None:
+    if rollouts_judged is None:
+        _ROLLOUTS_JUDGED.pop(key, None)  # not an earlier registration's
+    else:
         _ROLLOUTS_JUDGED[key] = rollouts_judged
 
 
