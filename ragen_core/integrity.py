@@ -30,11 +30,20 @@ class CorruptFileError(RagenError, ValueError):
     """A stored file is missing or does not match the digest recorded when it was written."""
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """The sha256 of a file's bytes (hex), memoised while the file is unchanged."""
+def file_key(path: str | os.PathLike[str]) -> tuple[str, int, int, int, int, int]:
+    """What tells, without reading it, that a file is still the one seen before: its resolved path,
+    device, inode, size, mtime and ctime (a file replaced by rename has a new inode; one edited in
+    place a new mtime, except within one clock tick on kernels with coarse file timestamps, before
+    Linux 6.13's multigrain timestamps). Raises ``OSError`` when it is gone."""
     path = Path(path)
     st = path.stat()
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes (hex), memoised while the file is unchanged (:func:`file_key`)."""
+    path = Path(path)
+    key = file_key(path)
     if key in _MEMO:
         return _MEMO[key]
     h = hashlib.sha256()

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ragen_core.integrity import CorruptFileError, record, recorded, verify
+from ragen_core.integrity import CorruptFileError, file_key, record, recorded, verify
 from ragen_core.storage import write_error
 
 #: v2 numbers the ``iteration`` column as the folders and MLflow steps do: iteration ``k``'s train rows
@@ -135,44 +135,47 @@ class _RecentTables:
     """The tables this process wrote or read (and checked) last, by path: an iteration's filter and
     learn stages read the rollouts its rollout stage has just written, the logging process reads them
     for the transcripts page and for the traces (about 6 ms of hashing and Parquet decoding each on a
-    tiny config). A table is served only while its file is the one written or checked (same inode,
-    size and mtime) and its recorded digest is the one recorded then; anything else reads the file.
-    A file replaced (as every writer here does, by rename) has a new inode; one edited in place has a
-    new mtime, except within one clock tick on kernels with coarse file timestamps (before Linux
-    6.13's multigrain timestamps), the same assumption as ``run_dir.file_digest``'s memo."""
+    tiny config). A table is served only while its file is the one written or checked
+    (:func:`~ragen_core.integrity.file_key`, as the digest memo decides) and its recorded digest is
+    the one recorded then; anything else reads the file."""
 
     def __init__(self, capacity: int = 2) -> None:
         self.capacity = capacity
-        self._tables: OrderedDict[str, tuple[tuple[int, int, int], str, pa.Table]] = OrderedDict()
+        self._tables: OrderedDict[str, tuple[tuple[str, int, int, int, int, int], str, pa.Table]] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()  # the logging thread reads rollouts too
 
-    @staticmethod
-    def _ident(path: Path) -> tuple[int, int, int]:
-        st = path.stat()
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
-
     def put(self, path: Path, digest: str, table: pa.Table) -> None:
+        key = file_key(path)
         with self._lock:
-            self._tables[str(path.resolve())] = (self._ident(path), digest, table)
-            self._tables.move_to_end(str(path.resolve()))
+            self._tables[key[0]] = (key, digest, table)
+            self._tables.move_to_end(key[0])
             while len(self._tables) > self.capacity:
                 self._tables.popitem(last=False)
 
     def get(self, path: Path) -> pa.Table | None:
-        with self._lock:
-            entry = self._tables.get(str(path.resolve()))
-        if entry is None:
-            return None
-        ident, digest, table = entry
         try:
-            if self._ident(path) != ident or recorded(path) != digest:
-                return None
+            key = file_key(path)
         except OSError:
             return None
-        return table
+        with self._lock:
+            entry = self._tables.get(key[0])
+        if entry is None or entry[0] != key or recorded(path) != entry[1]:
+            return None
+        return entry[2]
 
 
 _RECENT = _RecentTables()
+_READ_SCHEMA: list[pa.Schema] = []
+
+
+def _read_schema(path: Path) -> pa.Schema:
+    """The schema a read of a file written here gives (Parquet names list items "element" where Arrow
+    says "item"): the same for every file of this schema version, so read from the first one only."""
+    if not _READ_SCHEMA:
+        _READ_SCHEMA.append(pq.read_schema(path))
+    return _READ_SCHEMA[0]
 
 
 def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
@@ -203,8 +206,7 @@ def write_table(table: pa.Table, path: str | os.PathLike[str]) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    # As a read would give it: Parquet names list items "element" where Arrow says "item".
-    _RECENT.put(path, digest, table.cast(pq.read_schema(path)).select(SCHEMA.names))
+    _RECENT.put(path, digest, table.cast(_read_schema(path)).select(SCHEMA.names))
     return path
 
 

@@ -47,8 +47,9 @@ def session_for(run: RunDir) -> Session:
 
 
 def drop_session(run: RunDir) -> Session | None:
-    _ROLLOUTS_JUDGED.pop(str(run.root.resolve()), None)
-    return _SESSIONS.pop(str(run.root.resolve()), None)
+    key = str(run.root.resolve())
+    _ROLLOUTS_JUDGED.pop(key, None)
+    return _SESSIONS.pop(key, None)
 
 
 def _ray_actor_lost(task: Any, task_run: Any, state: Any) -> bool:
