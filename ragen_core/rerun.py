@@ -7,14 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from ragen_core.integrity import CorruptFileError
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
-from ragen_core.stages import check_init_policy, play
-from ragen_core.trajectory import read_table, schema_version, to_token_batch, write_table
+from ragen_core.stages import check_init_policy, play, update_policy
+from ragen_core.trajectory import read_table, schema_version, write_table
 
 
 @dataclass
@@ -85,8 +84,7 @@ def rerun_stage(
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
         kept = run.read_json(run.filter_file(k))["kept_rows"]
-        table = read_table(run.rollouts(k)).take(pa.array(kept, type=pa.int64()))
-        session.learner.step(to_token_batch(table))
+        update_policy(cfg, session, read_table(run.rollouts(k)), kept)
         out = out_dir / "checkpoint"
         session.learner.save_checkpoint(str(out), k)
         stored = run.checkpoint(k)

@@ -239,6 +239,18 @@ def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict
     return kept, metrics
 
 
+def update_policy(cfg: RagenConfig, session: Session, table: pa.Table, kept: list[int]) -> dict[str, float]:
+    """The learner step of an iteration: on the ``kept`` rows of its rollouts ``table``, with
+    ``rollout.filter.loss_scaling`` (RAGEN-2's filter_loss_scaling) from the kept fraction of the groups.
+    The learn stage and a rerun of it both take this step, so a rerun repeats it exactly."""
+    all_groups = len(set(table.column("group_id").to_pylist()))
+    table = table.take(pa.array(kept, type=pa.int64()))
+    scale = filter_loss_scale(
+        len(set(table.column("group_id").to_pylist())), all_groups, cfg.rollout.filter.loss_scaling
+    )
+    return session.learner.step(to_token_batch(table), advantage_scale=scale)
+
+
 def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: list[int]) -> dict[str, float]:
     """One learner step on the kept trajectories; saves the checkpoint of iteration ``k``."""
     rollouts = run.rollouts(k)
@@ -256,14 +268,8 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
         if collapse_due(cfg.monitor, k)
         else {}
     )
-    all_groups = len(set(table.column("group_id").to_pylist()))
-    table = table.take(pa.array(kept, type=pa.int64()))
-    # rollout.filter.loss_scaling (RAGEN-2's filter_loss_scaling), from the kept fraction of the groups
-    scale = filter_loss_scale(
-        len(set(table.column("group_id").to_pylist())), all_groups, cfg.rollout.filter.loss_scaling
-    )
     t0 = time.perf_counter()
-    metrics = session.learner.step(to_token_batch(table), advantage_scale=scale)
+    metrics = update_policy(cfg, session, table, kept)
     metrics.update(probe)
     metrics["timing_s/update"] = time.perf_counter() - t0
     crash_point("learn", k)

@@ -367,6 +367,24 @@ def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path
     assert "identical" in out.stdout
 
 
+def test_a_rerun_of_the_learn_stage_scales_the_loss_as_the_run_did(tmp_path: Path) -> None:
+    """rollout.filter.loss_scaling=linear: the learn stage scaled the advantages by the kept fraction
+    of the groups (2 of 4 here); a rerun of that stage must take the same step, so it reruns identical
+    (it once stepped unscaled and reported 'different')."""
+    from ragen_core.rerun import rerun_stage
+    from ragen_core.run_dir import RunDir
+
+    out = train(
+        tmp_path,
+        extra=("trainer.iterations=2", "rollout.filter_ratio=0.5", "rollout.filter.loss_scaling=linear"),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = RunDir(only_run(tmp_path))
+    assert len(run.read_json(run.filter_file(2))["kept_rows"]) == 8  # 2 of 4 groups of 4: the scale is 0.5
+    result = rerun_stage(run, 2, "learn", tmp_path / "rerun", backend="local")
+    assert result.identical, result.detail
+
+
 def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path: Path) -> None:
     """Any entropy change fires (patience 1, ratios 0.99999 / 1.00001 of iteration 1's entropy): after
     iteration 2 the run rolls back to iteration 1's state, and at 3 it stops (one rollback allowed).
