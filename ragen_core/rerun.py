@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ragen_core import stage_record
+from ragen_core.config import RagenConfig
 from ragen_core.integrity import CorruptFileError
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
@@ -33,6 +35,16 @@ def _tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor])
     return not diff, ("bitwise identical" if not diff else f"{len(diff)} tensors differ, e.g. {diff[:3]}")
 
 
+def rerun_config(run: RunDir, k: int) -> RagenConfig:
+    """The run's config as iteration ``k`` ran: with the learner count its learn stage recorded
+    (``trainer.learners`` may change on resume, and with it the float summation order of a step)."""
+    cfg = run.config()
+    learners = stage_record.made_with(run.stage_record("learn", k)).get("learners")
+    if learners is None or learners == cfg.trainer.learners:
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"learners": int(learners)})})
+
+
 def rerun_stage(
     run: RunDir, k: int, stage: str, out_dir: Path | None = None, backend: str | None = None
 ) -> RerunResult:
@@ -49,7 +61,7 @@ def rerun_stage(
     ``TrajectoryFileError``, ``CheckpointError``) instead of a "different" verdict that would blame
     reproducibility. A damaged stored result is reported after the rerun, whose output is kept.
     """
-    cfg = run.config()
+    cfg = rerun_config(run, k)
     if stage not in ("rollout", "learn", "evaluate"):
         raise ValueError(f"unknown stage {stage!r}; use rollout, learn or evaluate")
     if not 1 <= k <= run.last_complete() and not (stage == "evaluate" and k == 0):

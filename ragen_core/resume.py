@@ -6,7 +6,12 @@ run a mix of two experiments that no one can rerun. What is safe is accepted and
 * ``trainer.iterations``: extend a run ("50 more iterations"), or end it earlier, but never before
   its last complete iteration;
 * how the loop is orchestrated and observed, which changes no number: ``trainer.eval_every``,
-  ``trainer.backend``, ``trainer.iteration_as`` and ``tracking.*``.
+  ``trainer.backend``, ``trainer.iteration_as`` and ``tracking.*``;
+* ``trainer.learners`` (elastic resume): K data-parallel learners take the step one learner takes,
+  from the same checkpoint (weights and optimiser state are whole on every rank), so only the
+  all-reduce's float summation order differs. Each iteration records the learner count it ran
+  with (its learn stage record), and ``ragen rerun`` of an iteration uses that count, so a stored
+  iteration still reruns identical after the count changed.
 
 Any other change, through ``--set`` or through a config file given with ``--resume``, is refused
 before anything is written, naming the keys, their stored and given values, and the fix (a new run).
@@ -27,6 +32,7 @@ RESUMABLE = (
     "trainer.eval_every",
     "trainer.backend",
     "trainer.iteration_as",
+    "trainer.learners",
     "tracking.",
 )
 

@@ -27,6 +27,8 @@ class Session:
         from ragen_core.rollout.worker import RolloutActor, RolloutWorker
 
         self.cfg, self.run, self.backend = cfg, run, backend
+        #: data-parallel learner ranks (the in-process backend has one learner, whatever the config)
+        self.learners = cfg.trainer.learners if backend == "ray" else 1
         worker_args = (
             str(run.init_policy),
             cfg.agent.model_dump(),

@@ -63,3 +63,14 @@ def save(
     }
     # No digest of the record itself: it holds the digests, and a damaged record only costs a rerun.
     atomic_write_text(record, json.dumps(data, indent=1, sort_keys=True), record_digest=False)
+
+
+def made_with(record: Path) -> dict[str, Any]:
+    """The ``extra`` a stage recorded of how it ran (e.g. the learn stage's learner count); empty when
+    there is no readable record (a stage of an older version, or one that never finished)."""
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    extra = data.get("extra", {})
+    return extra if isinstance(extra, dict) else {}

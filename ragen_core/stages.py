@@ -278,7 +278,8 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
     metrics["timing_s/checkpoint"] = time.perf_counter() - t0
     session.advance(k)
-    stage_record.save(record, inputs, [run.checkpoint(k)], metrics)
+    # the learner count changes float summation order: a rerun of this stage takes it from here
+    stage_record.save(record, inputs, [run.checkpoint(k)], metrics, {"learners": session.learners})
     return metrics
 
 

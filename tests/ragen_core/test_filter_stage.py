@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core import stage_record
 from ragen_core.config import load_config
 from ragen_core.run_dir import RunDir, create_run
 from ragen_core.stages import EmptyFilterError, filter_stage, learn_stage
@@ -130,6 +131,7 @@ class _RecordingSession:
 
     def __init__(self) -> None:
         self.learner = self
+        self.learners = 3  # as a Ray session of 3 learner ranks would say
         self.at = 0
         self.steps: list[tuple[list[int], float]] = []
 
@@ -165,3 +167,5 @@ def test_the_learn_stage_scales_the_advantages_by_the_kept_fraction_of_groups(
     learn_stage(cfg, run, 1, session, kept)  # type: ignore[arg-type]
     assert session.steps == [([1, 1, 3, 3], pytest.approx(scale))]
     assert session.at == 1 and (run.checkpoint(1) / "manifest.json").is_file()
+    # the learner count is recorded with the stage, for a rerun (trainer.learners may change on resume)
+    assert stage_record.made_with(run.stage_record("learn", 1)) == {"learners": 3}
