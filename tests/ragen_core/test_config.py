@@ -437,9 +437,8 @@ def test_an_adaptive_filter_with_a_mini_batch_larger_than_one_group_fails_before
 def test_a_resume_may_change_the_number_of_learners(tmp_path: Path) -> None:
     """Elastic resume: trainer.learners changes only the all-reduce's summation order (each iteration
     records its own count for reruns); a change of what the iterations compute is still refused."""
-    from ragen_core.resume import ResumeError, resume_config
-
     from ragen_core.config import dump_config
+    from ragen_core.resume import ResumeError, resume_config
 
     stored = load_config(overrides=["trainer.learners=2"])
     dump_config(stored, tmp_path / "config.yaml")  # the run's own config, as a resume reads it
