@@ -1183,11 +1183,18 @@ def doctor() -> None:
         import os
 
         where = os.environ.get("RAY_ADDRESS") or f"local, on {ray.util.get_node_ip_address()}"
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
         out.print(
             f"[green]ok[/]   Ray: {resources.get('CPU', 0):.0f} CPUs, {resources.get('GPU', 0):.0f} GPUs "
-            f"({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
+            f"on {len(nodes)} node(s) ({where}, auth {os.environ.get('RAY_AUTH_MODE', 'default')}; "
             f"{time.perf_counter() - t0:.1f} s to start)"
         )
+        for node in nodes:  # where learner and rollout actors can go (trainer.learners, *_cpus, *_gpus)
+            have = node.get("Resources", {})
+            out.print(
+                f"       node {node.get('NodeManagerAddress')}: {have.get('CPU', 0):g} CPUs, "
+                f"{have.get('GPU', 0):g} GPUs{' (head)' if 'node:__internal_head__' in have else ''}"
+            )
         ray.shutdown()
     except Exception as exc:
         ok = False

@@ -1,0 +1,122 @@
+"""A Ray cluster that already exists, of two nodes on this machine: `ragen doctor` lists its nodes and
+a training run joins it through RAY_ADDRESS, its two learners one on each node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.reliability import procs
+
+#: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_BIN = Path(sys.executable).parent / "ray"
+#: each node has 2 logical CPUs and a learner asks for 1.5: two learners cannot share a node
+NODE_CPUS, LEARNER_CPUS = 2, 1.5
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory):
+    """`ray start --head` and a second `ray start --address ...` node, with token auth (the token in a
+    file of this test); stopped by killing their processes (not `ray stop`, which stops every Ray on
+    the machine), and the machine's current-cluster entry put back as it was."""
+    from ray._common.utils import get_ray_address_file
+
+    folder = tmp_path_factory.mktemp("ray-nodes")
+    token = folder / "auth_token"
+    token.write_text("0123456789abcdef" * 4)
+    marker = procs.new_marker()
+    port = procs.free_port()
+    env = {
+        **os.environ,
+        **marker,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    env.pop("RAY_ADDRESS", None)
+    registry = Path(get_ray_address_file(None))
+    before = registry.read_text() if registry.is_file() else None
+    common = [
+        "--num-cpus",
+        str(NODE_CPUS),
+        "--object-store-memory",
+        str(128 * 1024**2),
+        "--disable-usage-stats",
+    ]
+    try:
+        for args in (
+            ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--include-dashboard", "false"],
+            ["--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1"],
+        ):
+            subprocess.run(
+                [str(RAY_BIN), "start", *args, *common], env=env, check=True, capture_output=True, timeout=180
+            )
+        yield {key: env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")} | {
+            "RAY_ADDRESS": f"127.0.0.1:{port}"
+        }
+    finally:
+        procs.kill_tree(marker)
+        if before is None:
+            registry.unlink(missing_ok=True)
+        else:
+            registry.write_text(before)
+
+
+def ragen(args: list[str], state: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    from tests.process_env import child_env
+
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=ROOT,
+        env=child_env(RAGEN_STATE_DIR=str(state), **env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_doctor_lists_the_nodes_of_the_cluster_it_joins(two_nodes, tmp_path: Path) -> None:
+    out = ragen(["doctor"], tmp_path, two_nodes)
+    text = " ".join(out.stdout.split())
+    assert "on 2 node(s)" in text and f"{2 * NODE_CPUS} CPUs" in text, out.stdout + out.stderr
+    assert text.count(f"{NODE_CPUS} CPUs, 0 GPUs") == 2 and text.count("(head)") == 1, out.stdout
+
+
+def test_a_run_trains_on_a_cluster_of_two_nodes_one_learner_on_each(two_nodes, tmp_path: Path) -> None:
+    """trainer.learners=2 with learner.num_cpus=1.5 on two nodes of 2 CPUs: the run can only place its
+    learners one per node, so it trains only if data parallelism over gloo works across the nodes."""
+    sets = [
+        "trainer.iterations=2",
+        "trainer.eval_every=2",
+        "sft.steps=20",
+        "sft.episodes_per_tag=32",
+        "train.n_groups=[4]",
+        "train.group_size=4",
+        "val.n_groups=[16]",
+        "learner.optim.mini_batch_size=4",
+        "learner.optim.micro_batch_size=4",
+        "rollout.max_new_tokens=24",
+        "trainer.backend=ray",
+        "trainer.learners=2",
+        f"learner.num_cpus={LEARNER_CPUS}",
+        "trainer.rollout_cpus=0.5",
+        f"trainer.run_root={tmp_path / 'runs'}",
+    ]
+    out = ragen(
+        ["train", str(ROOT / "configs" / "bandit-tiny.yaml"), *[x for s in sets for x in ("--set", s)]],
+        tmp_path,
+        two_nodes,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert (run / "iter_0002" / "DONE").exists()
+    # the learn stages recorded the two learners they ran with
+    for k in (1, 2):
+        assert '"learners": 2' in (run / f"iter_{k:04d}" / "stages" / "learn.json").read_text()
