@@ -43,6 +43,8 @@ from typing import Any
 
 import pytest
 
+from tests.tiny_run import TINY_RUN
+
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
 
@@ -53,18 +55,7 @@ HOST = "127.0.0.1"
 POOL = "ragen-process"
 DEPLOYMENT = "ragen-train/ragen-train"
 RUN_NAME = "e2e"
-QUICK = [
-    "trainer.iterations=2",
-    "trainer.eval_every=1",
-    "sft.steps=20",
-    "sft.episodes_per_tag=32",
-    "train.n_groups=[4]",
-    "train.group_size=4",
-    "val.n_groups=[16]",
-    "learner.optim.mini_batch_size=4",
-    "rollout.max_new_tokens=24",
-    "trainer.backend=local",
-]
+QUICK = ["trainer.iterations=2", "trainer.eval_every=1", *TINY_RUN, "trainer.backend=local"]
 SERVER_START_TIMEOUT_S = 150  # healthy after 7-25 s on 2 idle cores; CI shares them
 FLOW_RUN_TIMEOUT_S = 480  # about 75 s alone on 2 cores
 CHROMIUM_FLAGS = [

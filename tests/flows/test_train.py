@@ -20,6 +20,7 @@ import torch
 
 from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
+from tests.tiny_run import TINY_RUN
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
@@ -33,14 +34,8 @@ CONFIG = ROOT / "configs" / "bandit-tiny.yaml"
 TINY = [
     "trainer.iterations=3",
     "trainer.eval_every=3",
-    "sft.steps=20",
-    "sft.episodes_per_tag=32",
-    "train.n_groups=[4]",
-    "train.group_size=4",
-    "val.n_groups=[16]",
-    "learner.optim.mini_batch_size=4",
+    *TINY_RUN,
     "learner.optim.micro_batch_size=4",
-    "rollout.max_new_tokens=24",
     "trainer.backend=local",
 ]
 

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +198,21 @@ def tiny_train_args(state: Path, *extra: str) -> list[str]:
 
     sets = [x for o in [*TINY, *extra, f"trainer.run_root={state / 'runs'}"] for x in ("--set", o)]
     return ["train", str(CONFIG), *sets]
+
+
+@contextlib.contextmanager
+def ray_current_cluster_kept() -> Iterator[None]:
+    """Put the machine's current-Ray-cluster entry back as it was afterwards: `ray start` registers
+    its cluster there, killing it leaves the entry behind, and any other ray.init() on the machine
+    would then try to join the dead cluster."""
+    from ray._common.utils import get_ray_address_file
+
+    registry = Path(get_ray_address_file(None))
+    before = registry.read_text() if registry.is_file() else None
+    try:
+        yield
+    finally:
+        if before is None:
+            registry.unlink(missing_ok=True)
+        else:
+            registry.write_text(before)

@@ -42,39 +42,33 @@ def other_cluster(tmp_path: Path):
     port = procs.free_port()
     env = {**os.environ, **marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    # `ray start` registers its cluster as the machine's current one; killing it leaves that entry
-    # behind, and any other ray.init() here would try to join the dead cluster: put the old one back.
-    registry = Path(get_ray_address_file(None))
-    before = registry.read_text() if registry.is_file() else None
-    try:
-        subprocess.run(
-            [
-                str(RAY_BIN),
-                "start",
-                "--head",
-                "--port",
-                str(port),
-                "--node-ip-address",
-                "127.0.0.1",
-                "--num-cpus",
-                "1",
-                "--include-dashboard",
-                "false",
-                "--disable-usage-stats",
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=180,
-        )
-        assert registry.read_text().strip().endswith(f":{port}")  # the case of the issue: it is "current"
-        yield port, marker
-    finally:
-        procs.kill_tree(marker)
-        if before is None:
-            registry.unlink(missing_ok=True)
-        else:
-            registry.write_text(before)
+    with procs.ray_current_cluster_kept():
+        try:
+            subprocess.run(
+                [
+                    str(RAY_BIN),
+                    "start",
+                    "--head",
+                    "--port",
+                    str(port),
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--num-cpus",
+                    "1",
+                    "--include-dashboard",
+                    "false",
+                    "--disable-usage-stats",
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=180,
+            )
+            current = Path(get_ray_address_file(None)).read_text().strip()
+            assert current.endswith(f":{port}")  # the case of the issue: it is "current"
+            yield port, marker
+        finally:
+            procs.kill_tree(marker)
 
 
 def test_starts_its_own_cluster_next_to_another(

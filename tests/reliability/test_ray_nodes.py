@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability import procs
+from tests.tiny_run import TINY_RUN
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
@@ -26,8 +27,6 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
     """`ray start --head` and a second `ray start --address ...` node, with token auth (the token in a
     file of this test); stopped by killing their processes (not `ray stop`, which stops every Ray on
     the machine), and the machine's current-cluster entry put back as it was."""
-    from ray._common.utils import get_ray_address_file
-
     folder = tmp_path_factory.mktemp("ray-nodes")
     token = folder / "auth_token"
     token.write_text("0123456789abcdef" * 4)
@@ -41,8 +40,6 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     env.pop("RAY_ADDRESS", None)
-    registry = Path(get_ray_address_file(None))
-    before = registry.read_text() if registry.is_file() else None
     common = [
         "--num-cpus",
         str(NODE_CPUS),
@@ -50,23 +47,31 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory):
         str(128 * 1024**2),
         "--disable-usage-stats",
     ]
-    try:
-        for args in (
-            ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--include-dashboard", "false"],
-            ["--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1"],
-        ):
-            subprocess.run(
-                [str(RAY_BIN), "start", *args, *common], env=env, check=True, capture_output=True, timeout=180
-            )
-        yield {key: env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")} | {
-            "RAY_ADDRESS": f"127.0.0.1:{port}"
-        }
-    finally:
-        procs.kill_tree(marker)
-        if before is None:
-            registry.unlink(missing_ok=True)
-        else:
-            registry.write_text(before)
+    joined = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    with procs.ray_current_cluster_kept():
+        try:
+            for args in (
+                [
+                    "--head",
+                    "--port",
+                    str(port),
+                    "--node-ip-address",
+                    "127.0.0.1",
+                    "--include-dashboard",
+                    "false",
+                ],
+                ["--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1"],
+            ):
+                subprocess.run(
+                    [str(RAY_BIN), "start", *args, *common],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                    timeout=180,
+                )
+            yield joined
+        finally:
+            procs.kill_tree(marker)
 
 
 def ragen(args: list[str], state: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -95,14 +100,8 @@ def test_a_run_trains_on_a_cluster_of_two_nodes_one_learner_on_each(two_nodes, t
     sets = [
         "trainer.iterations=2",
         "trainer.eval_every=2",
-        "sft.steps=20",
-        "sft.episodes_per_tag=32",
-        "train.n_groups=[4]",
-        "train.group_size=4",
-        "val.n_groups=[16]",
-        "learner.optim.mini_batch_size=4",
+        *TINY_RUN,
         "learner.optim.micro_batch_size=4",
-        "rollout.max_new_tokens=24",
         "trainer.backend=ray",
         "trainer.learners=2",
         f"learner.num_cpus={LEARNER_CPUS}",
