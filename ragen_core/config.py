@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -391,6 +392,29 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _paths_named(name: str, model: Any = RagenConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the config whose last part is ``name`` (``seed``: ``trainer.seed``, ...)."""
+    found = []
+    for field_name, field in getattr(model, "model_fields", {}).items():
+        path = f"{prefix}{field_name}"
+        if field_name == name:
+            found.append(path)
+        for sub in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                found.extend(_paths_named(name, sub, path + "."))
+    return found
+
+
+def _unknown_key_hint(loc: tuple[Any, ...]) -> str:
+    """The keys of that very name in other sections (``seed``: ``trainer.seed``, ...), else the nearest
+    known key at the same level (``trainer.sed``: ``trainer.seed``)."""
+    elsewhere = sorted(set(_paths_named(str(loc[-1]))))
+    if elsewhere:
+        return f"; it is a key of another section: {' or '.join(elsewhere)}"
+    close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+
+
 def _explain(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
@@ -400,9 +424,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         if err["type"] == "extra_forbidden" and removed is not None:
             lines.append(f"{key}: {removed}")
         elif err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc), n=1)
-            hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
-            lines.append(f"{key}: unknown key{hint}")
+            lines.append(f"{key}: unknown key{_unknown_key_hint(loc)}")
         elif not loc:  # a cross-field check: its message names the keys
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:

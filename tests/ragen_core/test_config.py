@@ -52,6 +52,9 @@ def test_overrides_parse_yaml_values() -> None:
     [
         ("train.group_sise=3", r"train\.group_sise: unknown key; did you mean train\.group_size\?"),
         ("learner.algorithm.clip_hgh=0.3", r"did you mean learner\.algorithm\.clip_high\?"),
+        # a key of another section, given at the wrong level: every section that has it is named
+        ("iterations=3", r"iterations: unknown key; it is a key of another section: trainer\.iterations$"),
+        ("seed=1", r"seed: unknown key; it is a key of another section: .*sft\.seed or .*trainer\.seed"),
         ("rollout.temperature=hot", r"rollout\.temperature: .*valid number"),
         (
             "train.group_size=1",
