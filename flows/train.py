@@ -17,6 +17,7 @@ import prefect.runtime
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
@@ -24,7 +25,8 @@ from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, pro
 from flows.settings import configure_environment, deprioritise_ephemeral_server
 from ragen_core.config import RagenConfig
 from ragen_core.run_dir import RunDir
-from ragen_core.stages import eval_due, finish_iteration, init_policy_stage
+from ragen_core.session import Session
+from ragen_core.stages import eval_due, finish_iteration, init_policy_stage, rollout_ahead
 from ragen_core.training import Training, open_run
 from tasks.stages import (
     drop_session,
@@ -58,13 +60,34 @@ def warm_start_task(run_root: str) -> str:
     return str(init_policy_stage(run.config(), run))
 
 
+def play_ahead(run_root: str, k: int, session: Session) -> PrefectFuture[dict[str, Any]] | None:
+    """Start the rollouts played during iteration ``k``'s update, if any (``stages.rollout_ahead``):
+    a submitted task where the rollout worker and the learner are actors of their own, else played
+    now, before the update (the same results, one after the other)."""
+    ahead = rollout_ahead(session.cfg, k)
+    if ahead is None:
+        return None
+    task = rollout_task.with_options(task_run_name=f"rollout-ahead-{ahead}")
+    if session.parallel_actors:
+        return task.submit(run_root, ahead)
+    task(run_root, ahead)
+    return None
+
+
 def run_iteration(run_root: str, k: int) -> dict[str, float]:
-    """One iteration: rollout -> filter -> learn (+ checkpoint) -> evaluate when due; then DONE."""
+    """One iteration: rollout -> filter -> learn (+ checkpoint) -> evaluate when due; then DONE.
+
+    One-step off-policy (``trainer.off_policy_steps: 1``): the next iteration's rollouts are played
+    during the learn stage, by the policy before it (stored, so the next iteration reuses them)."""
     run = RunDir(run_root)
-    cfg = session_for(run).cfg
+    session = session_for(run)
+    cfg = session.cfg
     rollout = rollout_task(run_root, k)
     kept = filter_task(run_root, k)
+    playing = play_ahead(run_root, k, session)
     learned = learn_task(run_root, k, kept["kept"])
+    if playing is not None:
+        playing.result()
     metrics: dict[str, float] = {**rollout["metrics"], **kept["metrics"], **learned["metrics"]}
     if eval_due(cfg, k):
         metrics.update(evaluate_task(run_root, k)["metrics"])

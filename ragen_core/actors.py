@@ -248,10 +248,14 @@ class LearnerWorker:
 
     # -- work
     def step(
-        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+        self,
+        batch: TokenBatch,
+        turn_scores: torch.Tensor | None = None,
+        advantage_scale: float = 1.0,
+        behaviour_logprobs: bool = False,
     ) -> dict[str, float]:
         assert self.learner is not None
-        return self.learner.step(batch, turn_scores, advantage_scale)
+        return self.learner.step(batch, turn_scores, advantage_scale, behaviour_logprobs)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         assert self.learner is not None
@@ -386,11 +390,16 @@ class LearnerGroup:
             raise
 
     def step(
-        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+        self,
+        batch: TokenBatch,
+        turn_scores: torch.Tensor | None = None,
+        advantage_scale: float = 1.0,
+        behaviour_logprobs: bool = False,
     ) -> dict[str, float]:
         """One learner step on the whole (filtered) batch; returns rank 0's (global) metrics."""
         ref = ray.put(batch)
-        return _get_all([a.step.remote(ref, turn_scores, advantage_scale) for a in self.actors])[0]
+        calls = [a.step.remote(ref, turn_scores, advantage_scale, behaviour_logprobs) for a in self.actors]
+        return _get_all(calls)[0]
 
     def cross_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
         """``Learner.cross_logprobs`` on every learner (each scores its share of the rows); rank 0's result."""

@@ -250,6 +250,15 @@ class TrainerConfig(BaseModel):
         default="ray", description="ray: rollout and learner actors; local: everything in this process"
     )
     learners: int = Field(default=1, ge=1, description="data-parallel learner actors")
+    off_policy_steps: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="0: each iteration's rollouts are played by the policy it updates; 1: one-step "
+        "off-policy (verl's one_step_off_policy, AReaL): iteration k+1's rollouts are played by the policy "
+        "before iteration k's update, while the learner makes it (on the ray backend, at the same time), "
+        "and the PPO ratio is taken against the rollouts' own log-probs",
+    )
     rollout_cpus: float = Field(default=1, gt=0, description="CPUs of the rollout actor")
     rollout_gpus: float = Field(default=0, ge=0, description="GPUs of the rollout actor")
     rollout_threads: int | None = Field(default=None, ge=1, description="torch threads in the rollout worker")

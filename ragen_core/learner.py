@@ -611,7 +611,11 @@ class Learner:
     # ---------------------------------------------------------------- the step
 
     def step(  # noqa: C901 - the numbered steps of the update, read top to bottom like the paper
-        self, batch: TokenBatch, turn_scores: torch.Tensor | None = None, advantage_scale: float = 1.0
+        self,
+        batch: TokenBatch,
+        turn_scores: torch.Tensor | None = None,
+        advantage_scale: float = 1.0,
+        behaviour_logprobs: bool = False,
     ) -> dict[str, float]:
         """One learner iteration on ``batch``; returns its metrics under their logged names (floats).
 
@@ -619,6 +623,9 @@ class Learner:
         (default: the score on the last turn). Read from ``batch.turn_scores`` when not given.
         ``advantage_scale``: the advantages are multiplied by it after the estimator (RAGEN-2's
         ``filter_loss_scaling``, ``rollout.filter.loss_scaling``); the returns are not.
+        ``behaviour_logprobs``: the old log-probs of the PPO ratio are the batch's own
+        ``rollout_logprobs`` (those of the policy that played it, ``trainer.off_policy_steps``), not
+        recomputed with the current weights: the ratio then corrects for the policy having moved since.
         """
         t_start = time.perf_counter()
         if turn_scores is None:
@@ -644,13 +651,21 @@ class Learner:
         # log-probs (filled in by _update before the loss reads them).
         from_update = (
             opt.old_logprobs_from_update
+            and not behaviour_logprobs
             and opt.ppo_epochs == 1
             and n_mini == 1
             and self.world_size == 1
             and not alg.use_kl_in_reward
         )
         t = time.perf_counter()
-        if from_update:
+        if behaviour_logprobs:
+            old_logp = batch.rollout_logprobs[:, :width].to(dev, fdtype) * maskf
+            if not bool((old_logp[mask] != 0).any()):
+                raise ValueError(
+                    "trainer.off_policy_steps needs the rollouts' log-probs, and this batch has none (all 0): "
+                    "use a rollout engine that returns them (hf and vllm both do), or trainer.off_policy_steps=0"
+                )
+        elif from_update:
             old_logp = torch.zeros_like(maskf)
         else:
             old_logp = self._infer(

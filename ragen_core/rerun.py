@@ -14,7 +14,7 @@ from ragen_core.config import RagenConfig
 from ragen_core.integrity import CorruptFileError
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
-from ragen_core.stages import check_init_policy, play, update_policy
+from ragen_core.stages import behaviour_policy, check_init_policy, play, update_policy
 from ragen_core.trajectory import read_table, schema_version, write_table
 
 
@@ -51,7 +51,8 @@ def rerun_stage(
     """Recompute one stage of iteration ``k`` from what is on disk, into ``out_dir`` (default
     ``<run>/reruns/iter_k``), and compare it with the stored result. Nothing stored is overwritten.
 
-    ``rollout``: the policy iteration ``k`` starts from (after ``k - 1``, or a rollback's target) plays iteration ``k``'s seeds -> Parquet
+    ``rollout``: the policy that played iteration ``k`` (``stages.behaviour_policy``: the one it starts
+    from, after ``k - 1`` or a rollback's target; one-step off-policy, the one before) plays its seeds -> Parquet
     (compared byte for byte). ``learn``: the learner state iteration ``k`` starts from, on the stored
     rollouts and filter -> checkpoint (policy and critic compared bitwise). ``evaluate``: validation
     of the policy after ``k`` iterations (compared byte for byte).
@@ -78,7 +79,7 @@ def rerun_stage(
     session = Session(cfg, run, backend=backend or cfg.trainer.backend)
     try:
         if stage == "rollout":
-            session.restore(run.start_of(k))
+            session.restore(behaviour_policy(cfg, run, k))
             table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
             _check_stored_table(run.rollouts(k), out)

@@ -19,7 +19,8 @@ class Session:
 
     ``backend="ray"`` runs them as Ray actors (resources from the config); ``"local"`` keeps them
     in this process (tests, debugging, the overhead baseline). Weights go from the learner to the
-    rollout worker after every learner step; ``at`` records which iteration's weights they hold.
+    rollout worker after every learner step; ``learner_at`` and ``worker_at`` record which iteration's
+    state each holds.
     """
 
     def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
@@ -55,7 +56,9 @@ class Session:
             self.learner.build()
         else:
             raise ValueError(f"unknown backend {backend!r}; use 'ray' or 'local'")
-        self.at = 0
+        #: which iteration's state the learner and the rollout worker hold (they differ while a
+        #: one-step off-policy rollout is played: ``trainer.off_policy_steps``)
+        self.learner_at = self.worker_at = 0
         if not (run.checkpoint(0) / "manifest.json").exists():  # so that restore(0) can undo steps
             self.learner.save_checkpoint(str(run.checkpoint(0)), 0)
 
@@ -70,18 +73,42 @@ class Session:
         weights = self.learner.get_weights()
         self.call_worker("update_weights", weights)
 
-    def advance(self, k: int) -> None:
-        """After the learner stepped to iteration ``k``: the rollout worker gets its weights."""
-        self.sync_weights()
-        self.at = k
+    @property
+    def parallel_actors(self) -> bool:
+        """Whether the rollout worker and the learner compute at the same time when both are called
+        (Ray actors, each in its own process), rather than one after the other in this process."""
+        return self.backend == "ray"
+
+    @property
+    def at(self) -> int:
+        """The iteration whose state both parts hold (-1 while they differ)."""
+        return self.learner_at if self.learner_at == self.worker_at else -1
+
+    def advance(self, k: int, sync_worker: bool = True) -> None:
+        """After the learner stepped to iteration ``k``: the rollout worker gets its weights, unless
+        ``sync_worker`` is false (one-step off-policy: the worker may be playing with older weights
+        at this moment; it loads the ones it needs from disk, :meth:`worker_to`)."""
+        self.learner_at = k
+        if sync_worker:
+            self.sync_weights()
+            self.worker_at = k
+
+    def learner_to(self, k: int) -> None:
+        """Put the learner at the state after iteration ``k`` (weights and optimiser, from its checkpoint)."""
+        if k != self.learner_at:
+            self.learner.load_checkpoint(str(self.run.checkpoint(k)))
+            self.learner_at = k
+
+    def worker_to(self, k: int) -> None:
+        """Put the rollout worker at the policy after iteration ``k`` (from its checkpoint)."""
+        if k != self.worker_at:
+            self.call_worker("load_weights_from", str(self.run.policy_after(k)))
+            self.worker_at = k
 
     def restore(self, k: int) -> None:
         """Put the learner and the rollout worker at the state after iteration ``k``."""
-        if k == self.at:
-            return
-        self.learner.load_checkpoint(str(self.run.checkpoint(k)))
-        self.call_worker("load_weights_from", str(self.run.policy_after(k)))
-        self.at = k
+        self.learner_to(k)
+        self.worker_to(k)
 
     def roll_back(self, k: int, to: int, signals: Sequence[str]) -> Path:
         """After iteration ``k``, continue from the state after iteration ``to`` (an Echo-Trap

@@ -134,18 +134,40 @@ def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
     }
 
 
+def behaviour_policy(cfg: RagenConfig, run: RunDir, k: int) -> int:
+    """The iteration whose policy plays iteration ``k``'s rollouts.
+
+    On-policy (``trainer.off_policy_steps: 0``): the state iteration ``k`` starts from
+    (:meth:`RunDir.start_of`). One-step off-policy (``1``): the state iteration ``k - 1`` started from,
+    because iteration ``k``'s rollouts are played while iteration ``k - 1`` updates; except for the
+    first iteration, and after a rollback, which restarts the pipeline from the rollback's target."""
+    on_policy = run.start_of(k)
+    if cfg.trainer.off_policy_steps == 0 or k == 1 or run.rolled_back_to(k - 1) is not None:
+        return on_policy
+    return run.start_of(k - 1)
+
+
+def rollout_ahead(cfg: RagenConfig, k: int) -> int | None:
+    """The iteration whose rollouts are played while iteration ``k`` updates: ``k + 1`` with
+    ``trainer.off_policy_steps: 1`` (up to the configured last iteration), else none."""
+    if cfg.trainer.off_policy_steps == 0 or k >= cfg.trainer.iterations:
+        return None
+    return k + 1
+
+
 def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tuple[Path, dict[str, float]]:
-    """Iteration ``k``'s train rollouts with the policy it starts from (after ``k - 1`` iterations, or
-    where a rollback went back to: :meth:`RunDir.start_of`).
+    """Iteration ``k``'s train rollouts, played by :func:`behaviour_policy` (on-policy: the state
+    iteration ``k`` starts from, after ``k - 1`` iterations or where a rollback went back to).
 
     Reuses this run's stored rollouts when they are intact and were played by the same policy
-    (``ragen_core.stage_record``), so a resumed iteration does not play again."""
-    start = run.start_of(k)
-    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(start)}
+    (``ragen_core.stage_record``), so a resumed iteration does not play again. Moves only the rollout
+    worker, so that it may play while the learner updates (one-step off-policy)."""
+    behaviour = behaviour_policy(cfg, run, k)
+    record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(behaviour)}
     stored = stage_record.load(record, inputs)
     if stored is not None:
         return run.rollouts(k), stored["metrics"]
-    session.restore(start)
+    session.worker_to(behaviour)
     t0 = time.perf_counter()
     table, env_metrics = play(cfg, run, session, "train", k)
     crash_point("rollout", k)
@@ -248,7 +270,9 @@ def update_policy(cfg: RagenConfig, session: Session, table: pa.Table, kept: lis
     scale = filter_loss_scale(
         len(set(table.column("group_id").to_pylist())), all_groups, cfg.rollout.filter.loss_scaling
     )
-    return session.learner.step(to_token_batch(table), advantage_scale=scale)
+    return session.learner.step(
+        to_token_batch(table), advantage_scale=scale, behaviour_logprobs=cfg.trainer.off_policy_steps > 0
+    )
 
 
 def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: list[int]) -> dict[str, float]:
@@ -260,7 +284,7 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     stored = stage_record.load(record, inputs)
     if stored is not None:
         return stored["metrics"]
-    session.restore(start)
+    session.learner_to(start)
     table = read_table(rollouts)
     # Before the update and over all groups, kept or not (as RAGEN-2): the policy that played them.
     probe = (
@@ -272,12 +296,15 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     metrics = update_policy(cfg, session, table, kept)
     metrics.update(probe)
     metrics["timing_s/update"] = time.perf_counter() - t0
+    # learner updates between the policy that played the rollouts and the one they update
+    metrics["rollout/staleness"] = float(start - behaviour_policy(cfg, run, k))
     crash_point("learn", k)
     t0 = time.perf_counter()
     session.learner.save_checkpoint(str(run.checkpoint(k)), k)
     copy_tokenizer(run.init_policy, run.checkpoint(k) / "policy")
     metrics["timing_s/checkpoint"] = time.perf_counter() - t0
-    session.advance(k)
+    # one-step off-policy: the rollout worker may be playing iteration k + 1 with older weights now
+    session.advance(k, sync_worker=cfg.trainer.off_policy_steps == 0)
     # the learner count changes float summation order: a rerun of this stage takes it from here
     stage_record.save(record, inputs, [run.checkpoint(k)], metrics, {"learners": session.learners})
     return metrics

@@ -135,10 +135,13 @@ class _RecordingSession:
         self.at = 0
         self.steps: list[tuple[list[int], float]] = []
 
-    def restore(self, k: int) -> None:
+    def learner_to(self, k: int) -> None:
         self.at = k
 
-    def step(self, batch: TokenBatch, advantage_scale: float = 1.0) -> dict[str, float]:
+    def step(
+        self, batch: TokenBatch, advantage_scale: float = 1.0, behaviour_logprobs: bool = False
+    ) -> dict[str, float]:
+        assert not behaviour_logprobs  # on-policy: the ratio's old log-probs are recomputed
         self.steps.append((batch.group_ids.tolist(), advantage_scale))
         return {"actor/pg_loss": 0.0}
 
@@ -146,7 +149,8 @@ class _RecordingSession:
         Path(path, "policy").mkdir(parents=True, exist_ok=True)
         Path(path, "manifest.json").write_text(json.dumps({"iteration": k}))
 
-    def advance(self, k: int) -> None:
+    def advance(self, k: int, sync_worker: bool = True) -> None:
+        assert sync_worker
         self.at = k
 
 

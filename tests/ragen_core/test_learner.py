@@ -400,3 +400,41 @@ def test_advantage_scale_scales_the_advantages_and_the_policy_loss_only(estimato
     # one mini-batch: the ratio is 1, nothing is clipped, so the pg loss is -mean(A) and scales exactly
     assert out[0.25]["actor/pg_loss"] == pytest.approx(0.25 * out[1.0]["actor/pg_loss"], rel=1e-9)
     assert out[1.0]["actor/pg_loss"] != 0.0
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_behaviour_logprobs_set_the_old_policy_of_the_ratio(estimator):
+    """``behaviour_logprobs=True`` (trainer.off_policy_steps) takes the PPO ratio against the batch's
+    rollout log-probs: the same step as recomputing them when they are the current policy's own, another
+    one (ratio != 1 from the first mini-batch) when an older policy played the batch; a batch without
+    them is refused before anything changes."""
+    batch = random_batch(8, seed=4)
+    cfg = make_cfg(adv_estimator=estimator)
+    learner = Learner(tiny_policy(dtype=torch.float64), cfg)
+    with torch.no_grad():
+        own, _ = learner._logprobs(learner.policy, batch.input_ids, batch.loss_mask != 0)
+    own_batch = _replace(batch, rollout_logprobs=own * batch.loss_mask)
+    recomputed = Learner(tiny_policy(dtype=torch.float64), cfg)
+    m_re = recomputed.step(own_batch)
+    m_own = learner.step(own_batch, behaviour_logprobs=True)
+    assert max_diff(weights(learner.policy), weights(recomputed.policy)) < 1e-9
+    assert m_own["rollout/old_log_prob"] == pytest.approx(m_re["rollout/old_log_prob"], rel=1e-6)
+    assert "timing_s/old_log_prob" in m_re and "timing_s/old_log_prob" not in m_own
+
+    older = Learner(tiny_policy(dtype=torch.float64), cfg)
+    stale = _replace(batch, rollout_logprobs=own_batch.rollout_logprobs - 0.1 * batch.loss_mask)
+    metrics = older.step(stale, behaviour_logprobs=True)
+    mask = batch.loss_mask != 0
+    assert metrics["rollout/old_log_prob"] == pytest.approx(
+        float(stale.rollout_logprobs[mask].mean()), rel=1e-9
+    )
+    assert metrics["actor/ppo_kl"] == pytest.approx(-0.1, abs=0.02)  # mean(old - new) on the first pass
+    assert max_diff(weights(older.policy), weights(recomputed.policy)) > 1e-6
+
+    untouched = Learner(tiny_policy(dtype=torch.float64), cfg)
+    before = weights(untouched.policy)
+    with pytest.raises(ValueError, match=r"trainer\.off_policy_steps.*has none"):
+        untouched.step(
+            _replace(batch, rollout_logprobs=torch.zeros_like(batch.loss_mask)), behaviour_logprobs=True
+        )
+    assert max_diff(before, weights(untouched.policy)) == 0
