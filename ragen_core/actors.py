@@ -37,6 +37,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ragen_core.errors import RagenError
 from ragen_core.learner import Learner
 from ragen_core.learner_config import LearnerConfig
 from ragen_core.state_folder import state_dir
@@ -47,7 +48,9 @@ __all__ = [
     "LearnerGroup",
     "LearnerPlacementError",
     "LearnerWorker",
+    "RayAddressError",
     "init_ray",
+    "ray_address_problem",
     "reserve_learners",
 ]
 
@@ -65,6 +68,34 @@ RAY_ENV = {
 }
 
 ModelFactory = Callable[[], torch.nn.Module] | str | os.PathLike
+
+
+class RayAddressError(RagenError, RuntimeError):
+    """``RAY_ADDRESS`` names a cluster that does not answer."""
+
+
+def ray_address_problem(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why no Ray cluster answers at ``address`` (``host:port`` or ``ray://host:port``), or None.
+
+    ``ray.init`` itself keeps retrying an address that does not answer for minutes; a TCP connect to
+    the cluster's port says at once. ``auto`` and ``local`` are Ray's to resolve, and not probed."""
+    target = address.removeprefix("ray://")
+    if target in ("auto", "local") or ":" not in target:
+        return None
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        reason = (
+            "nothing listens on that port"
+            if isinstance(exc, ConnectionRefusedError)
+            else str(exc) or type(exc).__name__
+        )
+    return (
+        f"RAY_ADDRESS={address}: no Ray cluster answers there ({reason}); start it (`ray start --head "
+        "--port PORT` on its head node) or unset RAY_ADDRESS to let the run start a cluster of its own"
+    )
 
 
 def init_ray(
@@ -90,6 +121,9 @@ def init_ray(
         address = address or os.environ.get("RAY_ADDRESS") or None
         common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
         if address:
+            problem = ray_address_problem(address)
+            if problem:
+                raise RayAddressError(problem)
             ray.init(address=address, **common)
         else:
             if num_cpus is None:

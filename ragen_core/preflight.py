@@ -1,5 +1,5 @@
 """Checks that need the machine, made before a run folder exists: the rollout engine, devices, the
-run root and its free disk."""
+Ray cluster that ``RAY_ADDRESS`` names, the run root and its free disk."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         except ModelNotFoundError as exc:
             problems.append(str(exc))
     remote = bool(os.environ.get("RAY_ADDRESS"))
+    if remote and cfg.trainer.backend == "ray":
+        from ragen_core.actors import ray_address_problem
+
+        problem = ray_address_problem(os.environ["RAY_ADDRESS"])
+        if problem:
+            problems.append(problem)
     if not remote and not torch.cuda.is_available():
         if cfg.learner.num_gpus > 0:
             problems.append(

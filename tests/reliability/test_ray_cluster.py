@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -111,3 +112,25 @@ def test_learner_group_waits_briefly_for_busy_cpus_then_fails(no_ray) -> None:
         LearnerGroup(make_cfg(), "no-model-needed", world_size=2, placement_timeout_s=2)
     assert time.monotonic() - t0 < 15
     ray.kill(holder)
+
+
+def test_an_unreachable_ray_address_fails_at_once_naming_it(no_ray, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init keeps retrying an address where nothing answers (measured: over 5 minutes); the run
+    refuses it in preflight, before any work, and init_ray does too, each naming the address and the fix."""
+    from ragen_core.actors import RayAddressError
+    from ragen_core.config import load_config
+    from ragen_core.preflight import PreflightError, preflight
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    t0 = time.monotonic()
+    with pytest.raises(
+        RayAddressError, match=rf"RAY_ADDRESS={address}: no Ray cluster answers there .*unset RAY_ADDRESS"
+    ):
+        init_ray()
+    with pytest.raises(PreflightError, match=rf"RAY_ADDRESS={address}: no Ray cluster answers"):
+        preflight(load_config(None, ["trainer.backend=ray"]))
+    preflight(load_config(None, ["trainer.backend=local"]))  # the in-process backend does not use it
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
