@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn
@@ -831,6 +832,22 @@ def sweep_run(
     out: Annotated[
         Path | None, typer.Option("--out", help="Report folder (default: in the sweep's state).")
     ] = None,
+    deployment: Annotated[
+        str | None,
+        typer.Option(
+            "--deployment",
+            help="Run the members as flow runs of this deployment (e.g. ragen-train/ragen-train) on its work "
+            "pool's workers, all dispatched at once (needs PREFECT_API_URL: a Prefect server).",
+        ),
+    ] = None,
+    concurrency_limit: Annotated[
+        str | None,
+        typer.Option(
+            "--concurrency-limit",
+            help="With --deployment: each member holds a slot of this Prefect global concurrency limit while "
+            "it trains (create it: prefect gcl create gpu --limit N).",
+        ),
+    ] = None,
 ) -> None:
     """Train every member of a sweep (resuming an interrupted one) and write the comparison report.
 
@@ -843,6 +860,15 @@ def sweep_run(
         expand(load_sweep(path))
     except SweepError as exc:
         fail(str(exc))
+    if deployment and not os.environ.get("PREFECT_API_URL"):
+        fail(
+            "--deployment: the members run on a Prefect server's workers, and PREFECT_API_URL is not set; "
+            "start one (`prefect server start`) and export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    if concurrency_limit and not deployment:
+        fail(
+            "--concurrency-limit works with --deployment (members on workers); add --deployment ragen-train/ragen-train"
+        )
     from flows.sweep import SweepRequest
     from flows.sweep import sweep as sweep_flow
     from ragen_core.sweep.report import Report
@@ -854,6 +880,8 @@ def sweep_run(
             retry_failed=retry_failed,
             concurrency=concurrency,
             report_dir=str(out) if out else None,
+            deployment=deployment,
+            concurrency_limit=concurrency_limit,
         )
     )
     report_dir = Path(result["report_dir"])

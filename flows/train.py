@@ -10,6 +10,7 @@ decisions (resume, re-logging, Echo-Trap stop and rollback, best step) is ``rage
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +53,11 @@ class TrainRequest(BaseModel):
     run_name: str | None = Field(default=None, description="name prefix of a new run")
     parent_run_id: str | None = Field(default=None, description="MLflow parent run (sweeps)")
     backend: Literal["ray", "local"] | None = Field(default=None, description="overrides trainer.backend")
+    concurrency_limit: str | None = Field(
+        default=None,
+        description="hold a slot of this Prefect global concurrency limit while training (sweep members on "
+        "workers: e.g. gpu); waits for a free slot first",
+    )
 
 
 @task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)  # idempotent: it checks the folder
@@ -128,6 +134,21 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
     what to re-log, when to stop or roll back, the best step) are the library's (``Training``).
     """
     request = request or TrainRequest()
+    with slot_of(request.concurrency_limit):
+        return _train(request)
+
+
+def slot_of(limit: str | None) -> contextlib.AbstractContextManager[Any]:
+    """One slot of the Prefect global concurrency limit ``limit`` (none: no limit), renewed while held."""
+    if limit is None:
+        return contextlib.nullcontext()
+    from prefect.concurrency.sync import concurrency
+
+    get_run_logger().info("waiting for a slot of concurrency limit %r", limit)
+    return concurrency(limit, occupy=1, strict=True)
+
+
+def _train(request: TrainRequest) -> dict[str, Any]:
     state = configure_environment()
     deprioritise_ephemeral_server()  # it records this flow's task runs; training should not wait on it
     log = get_run_logger()

@@ -28,6 +28,7 @@ class MemberState(BaseModel):
     attempts: int = 0
     error: str | None = None
     last_iteration: int | None = None
+    flow_run_id: str | None = None  # a member dispatched to a deployment's workers: its flow run
     updated: float = Field(default_factory=time.time)
 
 

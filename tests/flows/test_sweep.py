@@ -275,3 +275,18 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     assert again.returncode == 0, again.stdout[-3000:]
     regenerated = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert regenerated["members"] == report["members"] and (tmp_path / "rep" / "overview.png").exists()
+
+
+def test_dispatch_to_workers_names_a_missing_deployment_or_limit_before_any_work(tmp_path: Path) -> None:
+    """``--deployment``: a deployment or a concurrency limit the Prefect server does not have, or no
+    server at all, is one line naming it and the fix; no member run is created."""
+    path = write_sweep(tmp_path / "w.yaml", name="w", overrides=[f"trainer.run_root={tmp_path / 'runs'}"])
+    state, home = tmp_path / "state", tmp_path / "home"
+    out = ragen(["sweep", "run", str(path), "--deployment", "nope/nope"], state, home, timeout=300)
+    assert out.returncode == 1 and "deployment 'nope/nope' not found" in out.stdout, out.stdout[-3000:]
+    assert "prefect --no-prompt deploy --all" in out.stdout and "Traceback" not in out.stdout
+    out = ragen(["sweep", "run", str(path), "--concurrency-limit", "gpu"], state, home, timeout=300)
+    assert out.returncode == 1 and "--concurrency-limit works with --deployment" in out.stdout, out.stdout[
+        -3000:
+    ]
+    assert not (tmp_path / "runs").exists()
