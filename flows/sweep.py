@@ -31,8 +31,13 @@ one after the other inside this process, each as a Prefect subflow of the sweep.
 process-global state (RNG, thread pools, the Ray session), so members never share a process. Those
 member flows are separate flow runs in Prefect (their MLflow runs are still nested). With more than
 one member at once, point MLflow at a server (``MLFLOW_TRACKING_URI=http://...``) and Prefect at a
-server (``PREFECT_API_URL``): a local SQLite store locks under concurrent writers. Parallel members
-on several machines need several Prefect workers, each running ``ragen train --resume``.
+server (``PREFECT_API_URL``): a local SQLite store locks under concurrent writers.
+
+On Prefect's scheduler (``deployment``, ``ragen sweep run --deployment ragen-train/ragen-train``):
+every member is dispatched at once as a flow run of that deployment onto its work pool
+(:class:`WorkerDispatch`), so as many workers as there are, on this machine or others, train that
+many members at once; ``concurrency_limit`` names a Prefect global concurrency limit whose slot each
+member holds while it trains (``TrainRequest.concurrency_limit``), in place of ``concurrency``.
 """
 
 from __future__ import annotations

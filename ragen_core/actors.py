@@ -362,7 +362,7 @@ def reserve_learners(cfg: LearnerConfig, world_size: int, timeout_s: float) -> A
     total_cpu, _, total_gpu, _, biggest = _cluster_summary()
     if need_cpu > total_cpu or need_gpu > total_gpu or cfg.num_cpus > biggest:
         raise error(f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs in all")
-    group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(world_size)], strategy=cfg.placement.upper())
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)
         raise error(f"their {need_cpu:g} CPUs were not free within {timeout_s:g} s")

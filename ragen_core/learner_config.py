@@ -234,6 +234,12 @@ class LearnerConfig(BaseModel):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA (off by default)")
     num_gpus: float = Field(default=0, ge=0, description="GPUs per learner actor: 0 on CPU, 1 on a GPU node")
     num_cpus: float = Field(default=1, gt=0, description="CPUs per learner actor")
+    placement: Literal["pack", "spread"] = Field(
+        default="pack",
+        description="how the learner ranks' placement group lies over the Ray nodes: pack (as few nodes as "
+        "possible: the all-reduce stays on one node when it can) or spread (one rank per node as far as the "
+        "nodes allow: a node's loss takes fewer ranks, each rank gets a node's memory bandwidth)",
+    )
     bf16_autocast_on_gpu: bool = Field(
         default=True, description="bf16 autocast for forward passes on GPU (weights stay fp32)"
     )

@@ -33,6 +33,7 @@ RESUMABLE = (
     "trainer.backend",
     "trainer.iteration_as",
     "trainer.learners",
+    "learner.placement",
     "tracking.",
 )
 

@@ -119,3 +119,35 @@ def test_a_run_trains_on_a_cluster_of_two_nodes_one_learner_on_each(two_nodes, t
     # the learn stages recorded the two learners they ran with
     for k in (1, 2):
         assert '"learners": 2' in (run / f"iter_{k:04d}" / "stages" / "learn.json").read_text()
+
+
+PLACED_NODES = """
+import sys
+from ray.util.placement_group import placement_group_table
+from ragen_core.actors import init_ray, reserve_learners
+from ragen_core.learner_config import LearnerConfig
+init_ray()
+group = reserve_learners(LearnerConfig(num_cpus=1, placement=sys.argv[1]), 2, timeout_s=30)
+print("nodes", len(set(placement_group_table(group)["bundles_to_node_id"].values())))
+"""
+
+
+@pytest.mark.parametrize(("placement", "nodes"), [("spread", 2), ("pack", 1)])
+def test_learner_placement_spreads_the_ranks_over_the_nodes_or_packs_them(
+    two_nodes, placement: str, nodes: int, tmp_path: Path
+) -> None:
+    """learner.placement: two 1-CPU learner bundles on two nodes of 2 CPUs lie one per node (spread)
+    or both on one node (pack), as Ray's placement group records them (a driver of its own, which
+    joins through RAY_ADDRESS with the cluster's token, as a run does)."""
+    from tests.process_env import child_env
+
+    out = subprocess.run(
+        [sys.executable, "-c", PLACED_NODES, placement],
+        cwd=ROOT,
+        env=child_env(RAGEN_STATE_DIR=str(tmp_path), **two_nodes),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"nodes {nodes}" in out.stdout.splitlines(), out.stdout
