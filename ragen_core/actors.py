@@ -37,7 +37,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ragen_core.errors import RagenError
+from ragen_core.errors import RagenError, ray_actor_lost
 from ragen_core.learner import Learner
 from ragen_core.learner_config import LearnerConfig
 from ragen_core.state_folder import state_dir
@@ -204,13 +204,23 @@ def _token_auth() -> None:
 
 
 def _get_all(refs: list[Any]) -> list[Any]:
-    """``ray.get`` of every ref; on failure the others are still collected (no "unhandled error" noise)."""
+    """``ray.get`` of every ref; on failure the others are still collected (no "unhandled error" noise).
+
+    When a rank was lost (its actor, worker or node died), the others fail first, in the collective
+    ("Connection closed by peer"): the loss is the error raised then, so that the caller can tell it
+    from a bug and rebuild."""
     try:
         return ray.get(refs)
-    except BaseException:
+    except BaseException as first:
+        lost = None
         for ref in refs:
-            with contextlib.suppress(BaseException):
+            try:
                 ray.get(ref, timeout=60)
+            except BaseException as exc:
+                if lost is None and ray_actor_lost(exc):
+                    lost = exc
+        if lost is not None and not ray_actor_lost(first):
+            raise lost from first
         raise
 
 

@@ -250,6 +250,13 @@ class TrainerConfig(BaseModel):
         default="ray", description="ray: rollout and learner actors; local: everything in this process"
     )
     learners: int = Field(default=1, ge=1, description="data-parallel learner actors")
+    actor_loss_retries: int = Field(
+        default=2,
+        ge=0,
+        description="ray backend: times a run rebuilds its actors after one is lost (a node died, a worker "
+        "crashed) and retries from its last completed iteration, with as many learners as the cluster "
+        "then holds",
+    )
     off_policy_steps: int = Field(
         default=0,
         ge=0,

@@ -18,7 +18,16 @@ import errno
 import os
 import sys
 
-__all__ = ["KNOWN_USER_ERRORS", "RagenError", "describe", "is_debug", "is_user_error", "root_cause"]
+__all__ = [
+    "KNOWN_USER_ERRORS",
+    "RAY_ACTOR_LOST",
+    "RagenError",
+    "describe",
+    "is_debug",
+    "is_user_error",
+    "ray_actor_lost",
+    "root_cause",
+]
 
 
 class RagenError(Exception):
@@ -40,6 +49,25 @@ KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.rollout.engine", "PromptTooLongError"),
     ("envs.registry", "UnknownEnvError"),
 )
+
+#: Ray's exceptions for an actor (or the node, or the worker process under it) that is gone: what a
+#: retry on a rebuilt actor can help with. By name, so that classifying never imports Ray.
+RAY_ACTOR_LOST = frozenset(
+    {"RayActorError", "ActorDiedError", "WorkerCrashedError", "ActorUnavailableError", "NodeDiedError"}
+)
+
+
+def ray_actor_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, says a Ray actor or node was lost."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(cls.__name__ in RAY_ACTOR_LOST for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
 
 # OSError numbers that mean "this path cannot be used": the user picks another folder or frees space.
 _PATH_ERRNOS = {

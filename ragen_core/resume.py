@@ -33,6 +33,7 @@ RESUMABLE = (
     "trainer.backend",
     "trainer.iteration_as",
     "trainer.learners",
+    "trainer.actor_loss_retries",
     "learner.placement",
     "tracking.",
 )

@@ -24,8 +24,8 @@ class Session:
     """
 
     def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
-        from ragen_core.actors import LearnerGroup, LearnerWorker, init_ray
-        from ragen_core.rollout.worker import RolloutActor, RolloutWorker
+        from ragen_core.actors import LearnerWorker, init_ray
+        from ragen_core.rollout.worker import RolloutWorker
 
         self.cfg, self.run, self.backend = cfg, run, backend
         #: data-parallel learner ranks (the in-process backend has one learner, whatever the config)
@@ -42,14 +42,10 @@ class Session:
             engine_options(cfg),
             rollout_dtype(cfg),
         )
+        self._worker_args = worker_args
         if backend == "ray":
             init_ray()
-            self.worker = RolloutActor.options(
-                num_cpus=cfg.trainer.rollout_cpus, num_gpus=cfg.trainer.rollout_gpus
-            ).remote(*worker_args)
-            self.learner: Any = LearnerGroup(
-                cfg.learner, str(run.init_policy), world_size=cfg.trainer.learners
-            )
+            self._start_actors(cfg.trainer.learners)
         elif backend == "local":
             self.worker = RolloutWorker(*worker_args)
             self.learner = LearnerWorker(cfg.learner, str(run.init_policy))
@@ -72,6 +68,50 @@ class Session:
     def sync_weights(self) -> None:
         weights = self.learner.get_weights()
         self.call_worker("update_weights", weights)
+
+    def _start_actors(self, learners: int, placement_timeout_s: float = 30.0) -> None:
+        """The rollout actor, then the learner group (its placement group reserved at once or not at all)."""
+        from ragen_core.actors import LearnerGroup
+        from ragen_core.rollout.worker import RolloutActor
+
+        t = self.cfg.trainer
+        self.worker = RolloutActor.options(num_cpus=t.rollout_cpus, num_gpus=t.rollout_gpus).remote(
+            *self._worker_args
+        )
+        try:
+            self.learner: Any = LearnerGroup(
+                self.cfg.learner,
+                str(self.run.init_policy),
+                world_size=learners,
+                placement_timeout_s=placement_timeout_s,
+            )
+        except BaseException:
+            import ray
+
+            ray.kill(self.worker)
+            raise
+        self.learners = learners
+
+    def rebuild(self, placement_timeout_s: float = 10.0) -> int:
+        """After a Ray actor or node was lost: a new rollout actor and learner group on the cluster as
+        it is now, with as many learners as it can hold (``trainer.learners`` at most; a checkpoint
+        resumes with any count, and each learn stage records its own). Both parts hold no iteration's
+        state until the next restore loads it from disk. Returns the learner count."""
+        from ragen_core.actors import LearnerPlacementError
+
+        if self.backend != "ray":
+            raise RuntimeError("only the ray backend's actors can be rebuilt")
+        with contextlib.suppress(Exception):  # what is left of the old actors
+            self.close()
+        for learners in range(self.cfg.trainer.learners, 0, -1):
+            try:
+                self._start_actors(learners, placement_timeout_s)
+                break
+            except LearnerPlacementError:
+                if learners == 1:
+                    raise
+        self.learner_at = self.worker_at = -1  # unknown: the next restore loads from disk
+        return self.learners
 
     @property
     def parallel_actors(self) -> bool:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
+from ragen_core.errors import ray_actor_lost
 from ragen_core.integrity import record
 from ragen_core.lineage import SystemMetrics, log_lineage
 from ragen_core.log_process import open_step_log, wait_for_earlier_logging
@@ -253,13 +254,45 @@ class Training:
         """Run iterations ``start + 1 ..`` up to ``trainer.iterations``, each followed by the monitor's
         decision; returns the last iteration run (earlier than planned when the monitor stops it)."""
         k = start
+        retries = self.cfg.trainer.actor_loss_retries
         self.clock.restart()  # an iteration's time is its own, not the warm start's or step 0's evaluation
         while k < self.cfg.trainer.iterations:
             k += 1
-            metrics = dict(iteration(k))
+            try:
+                metrics = dict(iteration(k))
+            except Exception as exc:
+                if not (ray_actor_lost(exc) and retries > 0 and self.session is not None):
+                    raise
+                retries -= 1
+                self._rebuild_session(k, exc)
+                k -= 1  # again from the last completed iteration: its stored stages are reused
+                continue
             if not self._after_iteration(k, metrics):
                 break
         return k
+
+    def _rebuild_session(self, k: int, exc: BaseException) -> None:
+        """A Ray actor (or its node) was lost during iteration ``k``: new actors on what the cluster
+        has now; the iteration runs again from the last completed one (nothing of it was marked done
+        or logged as a step, so nothing is lost or logged twice)."""
+        assert self.session is not None
+        self.log.warning(
+            "iteration %d: a Ray actor was lost (%s: %s); rebuilding the rollout worker and learners",
+            k,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:300] if str(exc) else "",
+        )
+        learners = self.session.rebuild()
+        self.log.warning(
+            "retrying from iteration %d with %d learner(s) (trainer.learners=%d)",
+            k - 1,
+            learners,
+            self.cfg.trainer.learners,
+        )
+        self._queue(
+            "set_tags",
+            {f"ragen.actor_lost.iteration_{k}": f"{type(exc).__name__}; {learners} learner(s) after"},
+        )
 
     def rollouts_judged(self, k: int) -> None:
         """Iteration ``k``'s rollouts are final (the filter has decided): their MLflow logging starts

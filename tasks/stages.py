@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ragen_core import stages
+from ragen_core.errors import ray_actor_lost
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
 
@@ -57,13 +58,7 @@ def _ray_actor_lost(task: Any, task_run: Any, state: Any) -> bool:
     try:
         state.result()
     except Exception as exc:
-        return type(exc).__name__ in {
-            "RayActorError",
-            "ActorDiedError",
-            "WorkerCrashedError",
-            "ActorUnavailableError",
-            "NodeDiedError",
-        }
+        return ray_actor_lost(exc)
     return False
 
 
