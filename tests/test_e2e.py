@@ -139,6 +139,50 @@ def group(cmd: list[str], log: Path, **kwargs: Any) -> Iterator[subprocess.Popen
         kill_group(proc)
 
 
+def servers_env(tmp_path: Path, prefect_api: str) -> dict[str, str]:
+    """The environment of the servers, the CLI commands and the workers of a test with its own Prefect
+    server: nothing inherited from the caller's tools, every home and store in ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_DROP_PREFIXES)}
+    env.update(
+        {
+            "PREFECT_HOME": str(tmp_path / "prefect-home"),
+            "PREFECT_API_URL": prefect_api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect-results"),
+            "PREFECT_CLI_COLORS": "false",
+            "PREFECT_CLI_WRAP_LINES": "false",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "COLUMNS": "200",
+            "NO_COLOR": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_AUTH_MODE": "disabled",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def mlflow_server_cmd(tmp_path: Path, port: int) -> list[str]:
+    """``mlflow server`` on loopback: SQLite store and proxied artifacts in ``tmp_path``, one worker."""
+    return [
+        tool("mlflow"),
+        "server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(tmp_path / "mlartifacts"),
+    ]
+
+
 def run_cli(cmd: list[str], env: dict[str, str], timeout: float = 180, cwd: Path = ROOT) -> str:
     """Run a short command to completion (its own process group, killed on timeout); its output."""
     proc = subprocess.Popen(
@@ -264,41 +308,9 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
     mlflow_url = f"http://{HOST}:{mlflow_port}"
     state, runs = tmp_path / "state", tmp_path / "runs"
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_DROP_PREFIXES)}
-    env.update(
-        {
-            "PREFECT_HOME": str(tmp_path / "prefect-home"),
-            "PREFECT_API_URL": prefect_api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect-results"),
-            "PREFECT_CLI_COLORS": "false",
-            "PREFECT_CLI_WRAP_LINES": "false",
-            "MLFLOW_DISABLE_TELEMETRY": "true",
-            "COLUMNS": "200",
-            "NO_COLOR": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_AUTH_MODE": "disabled",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    prefect, mlflow = tool("prefect"), tool("mlflow")
-    mlflow_cmd = [
-        mlflow,
-        "server",
-        "--host",
-        HOST,
-        "--port",
-        str(mlflow_port),
-        "--workers",
-        "1",
-        "--backend-store-uri",
-        f"sqlite:///{tmp_path / 'mlflow.db'}",
-        "--artifacts-destination",
-        str(tmp_path / "mlartifacts"),
-    ]
+    env = servers_env(tmp_path, prefect_api)
+    prefect = tool("prefect")
+    mlflow_cmd = mlflow_server_cmd(tmp_path, mlflow_port)
     prefect_cmd = [prefect, "server", "start", "--host", HOST, "--port", str(prefect_port)]
     logs = {name: tmp_path / f"{name}.log" for name in ("mlflow", "prefect", "worker")}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,12 +19,13 @@ import yaml
 
 from tests.test_e2e import (
     HOST,
-    INHERITED_DROP_PREFIXES,
     ROOT,
     free_port,
     group,
     http,
+    mlflow_server_cmd,
     run_cli,
+    servers_env,
     tail,
     tool,
     wait_healthy,
@@ -80,27 +80,15 @@ def test_members_run_at_once_on_two_process_workers(tmp_path: Path) -> None:
     while mlflow_port == prefect_port:
         mlflow_port = free_port()
     api, mlflow_url = f"http://{HOST}:{prefect_port}/api", f"http://{HOST}:{mlflow_port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_DROP_PREFIXES)}
+    env = servers_env(tmp_path, api)
     env.update(
         {
-            "PREFECT_HOME": str(tmp_path / "prefect-home"),
-            "PREFECT_API_URL": api,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "prefect-results"),
             "PREFECT_WORKER_QUERY_SECONDS": "2",  # picks dispatched runs up within 2 s (default 15)
-            "PREFECT_CLI_COLORS": "false",
             "MLFLOW_TRACKING_URI": mlflow_url,
-            "MLFLOW_DISABLE_TELEMETRY": "true",
             "RAGEN_STATE_DIR": str(tmp_path / "state"),
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "PYTHONUNBUFFERED": "1",
-            "COLUMNS": "200",
         }
     )
-    prefect, mlflow = tool("prefect"), tool("mlflow")
-    mlflow_cmd = [mlflow, "server", "--host", HOST, "--port", str(mlflow_port), "--workers", "1"]
-    mlflow_cmd += ["--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
-    mlflow_cmd += ["--artifacts-destination", str(tmp_path / "mlartifacts")]
+    prefect, mlflow_cmd = tool("prefect"), mlflow_server_cmd(tmp_path, mlflow_port)
     prefect_cmd = [prefect, "server", "start", "--host", HOST, "--port", str(prefect_port), "--no-ui"]
     logs = {name: tmp_path / f"{name}.log" for name in ("mlflow", "prefect", "sweep", "worker-1", "worker-2")}
     with (
