@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,9 +93,10 @@ def main() -> None:
     mode.add_argument("--check", type=Path, help="compare this machine's digests with a recorded file")
     ap.add_argument("--iterations", type=int, default=3)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="ragen-portable-") as tmp:
-        run = train(ROOT, Path(tmp), args.iterations, {PORTABLE_SWITCH: "1"})
-        found = digests(run, args.iterations)
+    tmp = Path(tempfile.mkdtemp(prefix="ragen-portable-"))  # kept when the training fails: its log is there
+    run = train(ROOT, tmp, args.iterations, {PORTABLE_SWITCH: "1"})
+    found = digests(run, args.iterations)
+    shutil.rmtree(tmp, ignore_errors=True)
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
