@@ -17,6 +17,34 @@ class PreflightError(ValueError):
     """The config cannot run on this machine; the message says what to change."""
 
 
+def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
+    """The run's own Ray cluster gets this machine's CPUs (or ``RAGEN_RAY_NUM_CPUS``): actors that
+    cannot all fit there would otherwise fail after the warm start. (A cluster given by RAY_ADDRESS
+    is checked when the run places its actors, at once.)"""
+    t, learner = cfg.trainer, cfg.learner
+    try:
+        have = float(os.environ.get("RAGEN_RAY_NUM_CPUS") or os.cpu_count() or 1)
+    except ValueError:
+        return [f"RAGEN_RAY_NUM_CPUS={os.environ['RAGEN_RAY_NUM_CPUS']!r} is not a number of CPUs"]
+    problems = []
+    need = t.rollout_cpus + t.learners * learner.num_cpus
+    if need > have:
+        problems.append(
+            f"trainer.learners={t.learners} x learner.num_cpus={learner.num_cpus:g} + trainer.rollout_cpus="
+            f"{t.rollout_cpus:g} = {need:g} CPUs, and the run's Ray cluster has {have:g} (this machine's CPUs, "
+            "or RAGEN_RAY_NUM_CPUS); lower them, or set RAY_ADDRESS to a bigger cluster"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need_gpus = t.rollout_gpus + t.learners * learner.num_gpus
+    if gpus and need_gpus > gpus:
+        problems.append(
+            f"trainer.learners={t.learners} x learner.num_gpus={learner.num_gpus:g} + trainer.rollout_gpus="
+            f"{t.rollout_gpus:g} = {need_gpus:g} GPUs, and this machine has {gpus}; lower them, or set "
+            "RAY_ADDRESS to a cluster with more GPUs"
+        )
+    return problems
+
+
 def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
     import shutil
@@ -42,6 +70,8 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         except ModelNotFoundError as exc:
             problems.append(str(exc))
     remote = bool(os.environ.get("RAY_ADDRESS"))
+    if not remote and cfg.trainer.backend == "ray":
+        problems += _local_cluster_problems(cfg)
     if remote and cfg.trainer.backend == "ray":
         from ragen_core.actors import ray_address_problem
 

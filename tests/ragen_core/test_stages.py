@@ -59,6 +59,26 @@ def test_preflight_names_what_to_change(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(PreflightError, match="GiB free"):
         preflight(load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}"]), min_free_gb=1e9)
     preflight(load_config(overrides=[*TINY, f"trainer.run_root={tmp_path}"]))
+    # the run's own Ray cluster: more actors than its CPUs (or GPUs) fail here, not after the warm start
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAGEN_RAY_NUM_CPUS", "2")
+    ray = [*TINY, f"trainer.run_root={tmp_path}", "trainer.backend=ray"]
+    with pytest.raises(
+        PreflightError, match=r"learners=2 x learner\.num_cpus=1 \+ trainer\.rollout_cpus=1 = 3 CPUs"
+    ):
+        preflight(load_config(overrides=[*ray, "trainer.learners=2"]))
+    preflight(
+        load_config(
+            overrides=[*ray, "trainer.learners=2", "trainer.rollout_cpus=0.5", "learner.num_cpus=0.75"]
+        )
+    )
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(
+        PreflightError,
+        match=r"learner\.num_gpus=1 \+ trainer\.rollout_gpus=1 = 2 GPUs, and this machine has 1",
+    ):
+        preflight(load_config(overrides=[*ray, "learner.num_gpus=1", "trainer.rollout_gpus=1"]))
 
 
 def test_file_digest_follows_content_and_skips_rehashing(
