@@ -91,7 +91,11 @@ def run_iteration(run_root: str, k: int) -> dict[str, float]:
     rollout = rollout_task(run_root, k)
     kept = filter_task(run_root, k)
     playing = play_ahead(run_root, k, session)
-    learned = learn_task(run_root, k, kept["kept"])
+    try:
+        learned = learn_task(run_root, k, kept["kept"])
+    finally:  # never left running past its iteration, where a rebuilt session could meet it
+        if playing is not None:
+            playing.wait()
     if playing is not None:
         playing.result()
     metrics: dict[str, float] = {**rollout["metrics"], **kept["metrics"], **learned["metrics"]}
