@@ -50,6 +50,7 @@ __all__ = [
     "LearnerWorker",
     "RayAddressError",
     "init_ray",
+    "local_cluster_cpus",
     "ray_address_problem",
     "reserve_learners",
 ]
@@ -98,6 +99,17 @@ def ray_address_problem(address: str, timeout_s: float = 5.0) -> str | None:
     )
 
 
+def local_cluster_cpus() -> int:
+    """The CPUs of the cluster a run starts for itself: ``RAGEN_RAY_NUM_CPUS``, else this machine's."""
+    value = os.environ.get("RAGEN_RAY_NUM_CPUS")
+    if not value:
+        return os.cpu_count() or 1
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"RAGEN_RAY_NUM_CPUS={value!r} is not a whole number of CPUs") from None
+
+
 def init_ray(
     num_cpus: int | None = None,
     num_gpus: int | None = None,
@@ -127,7 +139,7 @@ def init_ray(
             ray.init(address=address, **common)
         else:
             if num_cpus is None:
-                num_cpus = int(os.environ.get("RAGEN_RAY_NUM_CPUS", os.cpu_count() or 1))
+                num_cpus = local_cluster_cpus()
             _token_auth()
             with _loopback_node():
                 # "local": a new cluster. Without it ray.init() joins whatever cluster another process

@@ -21,11 +21,13 @@ def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
     """The run's own Ray cluster gets this machine's CPUs (or ``RAGEN_RAY_NUM_CPUS``): actors that
     cannot all fit there would otherwise fail after the warm start. (A cluster given by RAY_ADDRESS
     is checked when the run places its actors, at once.)"""
+    from ragen_core.actors import local_cluster_cpus
+
     t, learner = cfg.trainer, cfg.learner
     try:
-        have = float(os.environ.get("RAGEN_RAY_NUM_CPUS") or os.cpu_count() or 1)
-    except ValueError:
-        return [f"RAGEN_RAY_NUM_CPUS={os.environ['RAGEN_RAY_NUM_CPUS']!r} is not a number of CPUs"]
+        have = local_cluster_cpus()
+    except ValueError as exc:
+        return [str(exc)]
     problems = []
     need = t.rollout_cpus + t.learners * learner.num_cpus
     if need > have:
