@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 
@@ -19,6 +20,7 @@ from ragen_core.sft import (
     SFTConfig,
     build_demonstrations,
     demo_groups_config,
+    sft_progress_line,
     train_sft,
     warm_start,
 )
@@ -184,6 +186,24 @@ def test_max_seconds_guard_stops_training(policy, one_thread):
     metrics = train_sft(model, tok, cfg)
     model.load_state_dict(init)
     assert metrics["stopped_early"] and 0 < metrics["steps"] < 10_000
+
+
+def test_the_warm_start_says_ten_times_how_far_it_is(policy, one_thread, caplog):
+    model, tok = policy
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = SFTConfig(tags=["Bandit"], episodes_per_tag=4, steps=25, batch_size=2, log_every=5)
+    with caplog.at_level(logging.INFO, logger="ragen.progress"):
+        train_sft(model, tok, cfg)
+    model.load_state_dict(init)
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragen.progress"]
+    steps = [int(line.split(" | ")[0].split()[-1].split("/")[0]) for line in lines]
+    assert steps == [3, 5, 8, 10, 13, 15, 18, 20, 23, 25]  # a line per tenth of the 25 steps
+    assert "loss" not in lines[0] and " | loss " in lines[2] and lines[-1].endswith("ETA 0s")
+
+
+def test_a_progress_line_reads_the_last_loss_and_the_time_left():
+    line = sft_progress_line(300, 3000, [[290, 0.5], [300, 0.3621]], 105.0)
+    assert line == "warm start: step 300/3000 | loss 0.362 | 1m45s | ETA 15m45s"
 
 
 ACCEPT_TAGS = ["Bandit", "FrozenLake", "SimpleSokoban"]
