@@ -25,9 +25,9 @@ this project one calibrated on its own runs (docs/metrics.md, "Echo-Trap signals
   baseline (the mean of its first ``var_baseline_steps`` values) for ``var_window`` iterations.
 * **low validation success** -- ``val_key`` below ``low_success_threshold`` for
   ``low_success_checks`` validations in a row.
-* **validation success drop** -- ``val_key`` below ``val_drop_ratio`` x its warm-start value (the
-  first validation the monitor sees: step 0's, before training) for ``val_drop_checks``
-  validations in a row. Validation runs only every ``trainer.eval_every`` iterations: a signal on it
+* **validation success drop** -- ``val_key`` below ``val_drop_ratio`` x the best validation so far
+  (the warm start's, step 0's, until a later one beats it) for ``val_drop_checks`` validations in a
+  row: a run that falls from its start and one that falls from its peak are both caught. Validation runs only every ``trainer.eval_every`` iterations: a signal on it
   lags by up to that many.
 
 A signal fires once when its condition starts (after ``patience`` consecutive iterations for the
@@ -137,7 +137,7 @@ class MonitorConfig(BaseModel):
     low_success_checks: int = Field(default=5, ge=1, description="validations in a row below the threshold")
     # Calibrated on this project's bandit-tiny runs (docs/metrics.md, "Echo-Trap signals").
     val_drop_ratio: float | None = Field(
-        default=0.8, gt=0.0, lt=1.0, description="fires when val_key < ratio x its warm-start value"
+        default=0.8, gt=0.0, lt=1.0, description="fires when val_key < ratio x the best validation so far"
     )
     val_drop_checks: int = Field(default=2, ge=1, description="validations in a row below the ratio")
 
@@ -246,7 +246,7 @@ class EchoTrapMonitor:
         self._var_first: list[float] = []
         self._var_edge = _Edge(c.var_window)
         # validation success
-        self._val_first: float | None = None
+        self._val_best: float | None = None  # the warm start's, then the best validation since
         self._low_edge = _Edge(c.low_success_checks)
         self._drop_edge = _Edge(c.val_drop_checks)
 
@@ -476,11 +476,12 @@ class EchoTrapMonitor:
                         f"{c.low_success_checks} validations (RAGEN-2's low-success early stop)",
                     )
                 )
-        if self._val_first is None:
-            self._val_first = v  # the warm start's (or the first) validation: the reference
-            return out
-        if c.val_drop_ratio is not None and self._val_first > 0:
-            hit = self._drop_edge.feed(v < c.val_drop_ratio * self._val_first, step, v, self._val_first)
+        best = self._val_best
+        self._val_best = v if best is None else max(best, v)
+        if best is None:
+            return out  # the warm start's (or the first) validation: the first reference
+        if c.val_drop_ratio is not None and best > 0:
+            hit = self._drop_edge.feed(v < c.val_drop_ratio * best, step, v, best)
             if hit:
                 s, val, ref = hit
                 out.append(
@@ -489,8 +490,8 @@ class EchoTrapMonitor:
                         s,
                         val,
                         ref,
-                        f"validation success {_fmt(val)} from step {s} stayed below {c.val_drop_ratio} x its "
-                        f"warm-start value {_fmt(ref)} for {c.val_drop_checks} validations",
+                        f"validation success {_fmt(val)} from step {s} stayed below {c.val_drop_ratio} x the "
+                        f"best validation before it, {_fmt(ref)}, for {c.val_drop_checks} validations",
                     )
                 )
         return out

@@ -209,18 +209,21 @@ def test_low_validation_success_counts_validations_not_iterations():
     assert detect({VAL: [(0, 0.5), (2, 0.005), (4, 0.02), (6, 0.0)]}, cfg) == []
 
 
-def test_val_success_drop_against_the_warm_start():
-    cfg = MonitorConfig()  # 0.8 x the first validation, 2 validations in a row
+def test_val_success_drop_against_the_best_validation_so_far():
+    cfg = MonitorConfig()  # 0.8 x the best validation before it (the warm start's first), 2 in a row
     fall = [(0, 0.7), (2, 0.6), (4, 0.5), (6, 0.4)]  # 0.6 > 0.56; 0.5 and 0.4 below
     mon = EchoTrapMonitor(cfg)
     fired = {s: mon.update(s, {VAL: v}) for s, v in fall}
     assert [s for s, sigs in fired.items() if sigs] == [6]
     (sig,) = fired[6]
     assert (sig.name, sig.step, sig.value, sig.reference) == ("val_success_drop", 4, 0.5, 0.7)
-    # a run that learns, with one noisy dip below 0.8 x warm start: no alarm
+    # a run that learns, with one noisy dip below 0.8 x its best: no alarm
     assert detect({VAL: [(0, 0.7), (2, 0.8), (4, 0.55), (6, 0.85)]}, cfg) == []
-    # the reference is the first validation, not the running best
-    assert detect({VAL: [(0, 0.5), (2, 0.9), (4, 0.45), (6, 0.45)]}, cfg) == []
+    # a run that learns and then falls from its peak, though it stays above 0.8 x its warm start
+    (peak,) = detect({VAL: [(0, 0.5), (2, 0.9), (4, 0.45), (6, 0.45)]}, cfg)
+    assert (peak.step, peak.value, peak.reference) == (4, 0.45, 0.9)
+    # the reference is the best before the validation: a new best is never below it
+    assert detect({VAL: [(0, 0.5), (2, 0.9), (4, 0.95), (6, 1.0)]}, cfg) == []
     # it counts for the action like any signal, and a rollback replays the warm start's reference
     rb = EchoTrapMonitor(MonitorConfig(action="rollback"))
     for s, v in fall:

@@ -1,4 +1,4 @@
-"""The monitor's default thresholds on two recorded bandit-tiny runs (tests/data/monitor_*.json):
+"""The monitor's default thresholds on recorded bandit-tiny and frozenlake-tiny runs (tests/data/monitor_*.json):
 the monitored metrics of each iteration's metrics.json and the warm start's validation
 (eval/step_0000.json), from `ragen train configs/bandit-tiny.yaml` with the overrides in each file's
 "run" (docs/metrics.md, "Calibration on bandit-tiny")."""
@@ -38,4 +38,30 @@ def test_stable_starpo_s_run_is_not_flagged() -> None:
     hist = history("monitor_stable_starpo_s_ppo_seed2.json")
     val = dict(hist["val-env/success"])
     assert min(v for s, v in val.items() if s > 0) >= val[0]  # it never fell below its warm start
+    assert detect(hist, MonitorConfig()) == []
+
+
+def test_a_fall_from_the_peak_is_flagged_though_it_stays_above_the_warm_start_ratio() -> None:
+    """frozenlake-tiny seed 2 climbed from 0.580 to 0.703 and fell to 0.479 after one bad update
+    (iteration 62, PPO KL 0.03): below its warm start, but above 0.8 x it. Measured against the
+    warm start alone the monitor missed it; against the best validation so far it fires."""
+    hist = history("monitor_frozenlake_fall_from_peak_seed2.json")
+    val = dict(hist["val-env/success"])
+    sigs = detect(hist, MonitorConfig())
+    assert [(s.name, s.step) for s in sigs] == [("val_success_drop", 70)]
+    (sig,) = sigs
+    assert sig.reference == max(v for s, v in val.items() if s < 70) == val[60]
+    assert 0.8 * val[0] < sig.value == val[70] < 0.8 * val[60]
+    # online: confirmed by the validation of iteration 80; a rollback goes back before iteration 70
+    mon = EchoTrapMonitor(MonitorConfig(action="rollback"))
+    by_key = {k: dict(pts) for k, pts in hist.items()}
+    steps = sorted({s for pts in hist.values() for s, _ in pts})
+    fired_at = [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
+    assert fired_at == [80] and mon.rollback_step(range(0, 80)) == 69
+
+
+def test_a_stable_frozenlake_run_with_a_dip_is_not_flagged() -> None:
+    hist = history("monitor_frozenlake_stable_seed3.json")
+    val = dict(hist["val-env/success"])
+    assert val[60] < val[50]  # it dipped (0.688 -> 0.658) and recovered
     assert detect(hist, MonitorConfig()) == []
