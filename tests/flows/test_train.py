@@ -149,8 +149,11 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
         "perf/tokens_per_s",
     ):
         assert key in metrics, key
-    # What the user saw: a line per iteration (through Prefect's logger), then where to look next.
+    # What the user saw: the warm start's progress, a line per iteration (through Prefect's logger),
+    # then where to look next.
     err, out = (state / "cli.err").read_text(), (state / "cli.out").read_text()
+    warm = [line for line in err.splitlines() if "| warm start: step " in line]
+    assert len(warm) == 10 and warm[-1].endswith("ETA 0s"), err[-2000:]
     lines = [line for line in err.splitlines() if re.search(r"\biteration \d+/3 \|", line)]
     assert [re.search(r"iteration (\d+/3)", line).group(1) for line in lines] == ["1/3", "2/3", "3/3"], err[
         -2000:
