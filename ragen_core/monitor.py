@@ -27,8 +27,9 @@ this project one calibrated on its own runs (docs/metrics.md, "Echo-Trap signals
   ``low_success_checks`` validations in a row.
 * **validation success drop** -- ``val_key`` below ``val_drop_ratio`` x the best validation so far
   (the warm start's, step 0's, until a later one beats it) for ``val_drop_checks`` validations in a
-  row: a run that falls from its start and one that falls from its peak are both caught. Validation runs only every ``trainer.eval_every`` iterations: a signal on it
-  lags by up to that many.
+  row: a run that falls from its start and one that falls from its peak are both caught.
+  Validation runs only every ``trainer.eval_every`` iterations: a signal on it lags by up to that
+  many.
 
 A signal fires once when its condition starts (after ``patience`` consecutive iterations for the
 std and entropy conditions) and re-arms when the condition clears. ``Signal.step`` is the *onset*:
@@ -135,7 +136,7 @@ class MonitorConfig(BaseModel):
         default=0.01, gt=0.0, le=1.0, description="fires when val_key < threshold for low_success_checks"
     )
     low_success_checks: int = Field(default=5, ge=1, description="validations in a row below the threshold")
-    # Calibrated on this project's bandit-tiny runs (docs/metrics.md, "Echo-Trap signals").
+    # Calibrated on this project's bandit-tiny and frozenlake-tiny runs (docs/metrics.md, "Echo-Trap signals").
     val_drop_ratio: float | None = Field(
         default=0.8, gt=0.0, lt=1.0, description="fires when val_key < ratio x the best validation so far"
     )

@@ -339,7 +339,7 @@ def _lr_factor(step: int, cfg: SFTConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# The warm start of a tiny config trains for 13-21 minutes: ten lines show it moving and its loss falling.
+# The warm start of a tiny config trains for 13-32 minutes: ten lines show it moving and its loss falling.
 SFT_PROGRESS_LINES = 10
 
 
