@@ -1,7 +1,7 @@
-"""The monitor's default thresholds on recorded bandit-tiny and frozenlake-tiny runs (tests/data/monitor_*.json):
-the monitored metrics of each iteration's metrics.json and the warm start's validation
-(eval/step_0000.json), from `ragen train configs/bandit-tiny.yaml` with the overrides in each file's
-"run" (docs/metrics.md, "Calibration on bandit-tiny")."""
+"""The monitor's default thresholds on recorded bandit-tiny and frozenlake-tiny runs
+(tests/data/monitor_*.json): the monitored metrics of each iteration's metrics.json and the warm
+start's validation (eval/step_0000.json), from `ragen train` with the config and overrides in each
+file's "run" (docs/metrics.md, "Calibration on bandit-tiny" and "A fall from the peak")."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ def history(name: str) -> dict[str, list[tuple[int, float]]]:
     return {k: [(int(s), float(v)) for s, v in pts] for k, pts in raw.items()}
 
 
+def fired_online(mon: EchoTrapMonitor, hist: dict[str, list[tuple[int, float]]]) -> list[int]:
+    """The iterations at which ``mon`` fires when fed ``hist`` step by step, as ragen_core.training does."""
+    steps = sorted({s for pts in hist.values() for s, _ in pts})
+    by_key = {k: dict(pts) for k, pts in hist.items()}
+    return [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
+
+
 def test_collapsing_vanilla_grpo_run_is_flagged_when_validation_falls() -> None:
     hist = history("monitor_collapsing_vanilla_grpo_seed1.json")
     val = dict(hist["val-env/success"])
@@ -28,10 +35,7 @@ def test_collapsing_vanilla_grpo_run_is_flagged_when_validation_falls() -> None:
     assert min(val.values()) < 0.5 * val[0]  # the run did fall: the flag is not a false alarm
     # online, as ragen_core.training feeds it: confirmed at the next validation, and a stop/rollback follows
     mon = EchoTrapMonitor(MonitorConfig(action="rollback"))
-    steps = sorted({s for pts in hist.values() for s, _ in pts})
-    by_key = {k: dict(pts) for k, pts in hist.items()}
-    fired_at = [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
-    assert fired_at == [10] and mon.should_rollback and mon.rollback_step(range(0, 10)) == 7
+    assert fired_online(mon, hist) == [10] and mon.should_rollback and mon.rollback_step(range(0, 10)) == 7
 
 
 def test_stable_starpo_s_run_is_not_flagged() -> None:
@@ -54,10 +58,7 @@ def test_a_fall_from_the_peak_is_flagged_though_it_stays_above_the_warm_start_ra
     assert 0.8 * val[0] < sig.value == val[70] < 0.8 * val[60]
     # online: confirmed by the validation of iteration 80; a rollback goes back before iteration 70
     mon = EchoTrapMonitor(MonitorConfig(action="rollback"))
-    by_key = {k: dict(pts) for k, pts in hist.items()}
-    steps = sorted({s for pts in hist.values() for s, _ in pts})
-    fired_at = [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
-    assert fired_at == [80] and mon.rollback_step(range(0, 80)) == 69
+    assert fired_online(mon, hist) == [80] and mon.rollback_step(range(0, 80)) == 69
 
 
 def test_a_stable_frozenlake_run_with_a_dip_is_not_flagged() -> None:
