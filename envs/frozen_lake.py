@@ -414,10 +414,12 @@ class FrozenLakeEnv(Env):
         is_slippery: bool = True,
         map_seed: int | None = None,
         desc: Sequence[str] | None = None,
+        think_holes: bool = False,
     ) -> None:
         """``map_seed`` fixes the map for every episode (``reset(seed)`` then only drives the slips);
         ``desc`` (rows of ``S``/``F``/``H``/``G``, exactly one ``S``) fixes a hand-made map. By default the
-        map comes from the episode seed, as in RAGEN."""
+        map comes from the episode seed, as in RAGEN. ``think_holes`` adds the holes next to the player
+        to the demonstrations' think text (:meth:`think_text`)."""
         if desc is not None:
             desc = [str(row) for row in desc]
             if len({len(row) for row in desc}) != 1 or "".join(desc).count("S") != 1:
@@ -430,6 +432,7 @@ class FrozenLakeEnv(Env):
         self.p = p
         self.is_slippery = is_slippery
         self.map_seed = map_seed
+        self.think_holes = think_holes
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)
@@ -566,10 +569,37 @@ class FrozenLakeEnv(Env):
         return out
 
     def think_text(self, actions: Sequence[str]) -> str:
-        """``Player (r,c), goal (r,c). I should go Left.`` (0-based cells)."""
+        """``Player (r,c), goal (r,c). I should go Left.`` (0-based cells); with ``think_holes``,
+        ``Player (r,c), goal (r,c). Holes: Down Up. I should go Left.`` (``Holes: none.`` when no
+        neighbour is one).
+
+        The holes are named as the moves that fall into them, in ``ACTIONS`` order: a policy that has
+        written them can learn to avoid them by matching its answer against its own think text, where
+        from the grid alone it must work out which neighbours of its position are holes (which the
+        tiny policy on frozenlake-tiny did not learn from the reward: most failures were a first or
+        second move into a hole).
+        """
         first = actions[0] if actions else ""
         goals = " and ".join(cell_label(g, self.ncol) for g in sorted(self.goal_states))
-        return f"Player {cell_label(self.state, self.ncol)}, goal {goals}. I should go {first}."
+        text = f"Player {cell_label(self.state, self.ncol)}, goal {goals}."
+        if self.think_holes:
+            holes = " ".join(ACTIONS[a] for a in self.hole_moves())
+            text += f" Holes: {holes or 'none'}."
+        return f"{text} I should go {first}."
+
+    def hole_moves(self) -> list[int]:
+        """The actions (indices into ``ACTIONS``) whose intended move from the player's cell enters a
+        hole; a move off the board stays put, so it never does."""
+        if not self.desc:
+            raise RuntimeError("FrozenLakeEnv.hole_moves() before reset(seed)")
+        r, c = divmod(self.state, self.ncol)
+        steps = {LEFT: (0, -1), DOWN: (1, 0), RIGHT: (0, 1), UP: (-1, 0)}
+        out = []
+        for a, (dr, dc) in steps.items():
+            rr, cc = r + dr, c + dc
+            if 0 <= rr < self.nrow and 0 <= cc < self.ncol and self.desc[rr][cc] == "H":
+                out.append(a)
+        return out
 
 
 # Oracle ------------------------------------------------------------------------------------------

@@ -117,6 +117,30 @@ def test_think_text_describes_the_state() -> None:
     assert mathqa.think_text([]) == "The answer is ."
 
 
+def test_frozenlake_think_text_names_the_holes_next_to_the_player() -> None:
+    """``think_holes``: the moves that would fall into a hole, in action order; the board's edge is
+    not a hole, and the default text (the golden file's) is unchanged."""
+    rows = ["SFH", "HFF", "HFG"]
+    lake = envs.make("FrozenLake", desc=rows, is_slippery=False, think_holes=True)
+    lake.reset(0)
+    assert lake.think_text(["Right"]) == "Player (0,0), goal (2,2). Holes: Down. I should go Right."
+    lake.step("Right")
+    assert lake.think_text(["Down"]) == "Player (0,1), goal (2,2). Holes: Right. I should go Down."
+    lake.step("Down")
+    assert lake.think_text(["Left"]) == "Player (1,1), goal (2,2). Holes: Left. I should go Left."
+    lake.step("Right")
+    assert lake.think_text(["Down"]) == "Player (1,2), goal (2,2). Holes: Up. I should go Down."
+    assert lake.hole_moves() == [3]  # Up, as an index into ACTIONS
+    open_lake = envs.make("FrozenLake", desc=["SF", "FG"], is_slippery=False, think_holes=True)
+    open_lake.reset(0)
+    assert open_lake.think_text(["Down"]) == "Player (0,0), goal (1,1). Holes: none. I should go Down."
+    plain = envs.make("FrozenLake", desc=rows, is_slippery=False)
+    plain.reset(0)
+    assert plain.think_text(["Right"]) == "Player (0,0), goal (2,2). I should go Right."
+    with pytest.raises(RuntimeError, match="before reset"):
+        envs.make("FrozenLake", think_holes=True).hole_moves()
+
+
 def test_random_answer_draws_in_a_fixed_order() -> None:
     lake = envs.make("FrozenLake")
     lake.reset(0)
