@@ -46,9 +46,10 @@ def test_stable_starpo_s_run_is_not_flagged() -> None:
 
 
 def test_a_fall_from_the_peak_is_flagged_though_it_stays_above_the_warm_start_ratio() -> None:
-    """frozenlake-tiny seed 2 climbed from 0.580 to 0.703 and fell to 0.479 after one bad update
-    (iteration 62, PPO KL 0.03): below its warm start, but above 0.8 x it. Measured against the
-    warm start alone the monitor missed it; against the best validation so far it fires."""
+    """frozenlake-tiny seed 2 (before think_holes) climbed from 0.580 to 0.703 and fell to 0.479
+    after one bad update (iteration 62, PPO KL 0.03): below its warm start, but above 0.8 x it.
+    Measured against the warm start alone the monitor missed it; against the best validation so far
+    it fires."""
     hist = history("monitor_frozenlake_fall_from_peak_seed2.json")
     val = dict(hist["val-env/success"])
     sigs = detect(hist, MonitorConfig())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import defaultdict
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from ragen_core.config import load_config
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models import ModelConfig, build_tiny_policy, load_policy
 from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
@@ -269,3 +271,18 @@ def test_warm_start_reaches_valid_format_on_validation_seeds(tmp_path, one_threa
         assert ev[f"{tag}/response_truncated"] == 0.0
     assert ev["Bandit/success"] >= 0.8  # the demos pick the high arm 85% of the time
     assert ev["Bandit/num_actions"] == 1.0
+
+
+def test_frozenlake_tiny_demonstrations_name_the_holes(policy):
+    """configs/frozenlake-tiny.yaml sets ``think_holes`` through ``sft.env_overrides``: every
+    demonstrated think text names the moves into a hole (or ``none``), and some turns have one."""
+    _, tok = policy
+    sft = load_config("configs/frozenlake-tiny.yaml").sft.model_copy(update={"episodes_per_tag": 16})
+    demos = build_demonstrations(tok, sft)
+    texts = [t for d in demos for t in d.texts]
+    named = [
+        re.search(r"Holes: (none|(?:Left|Down|Right|Up)(?: (?:Left|Down|Right|Up))*)\. I should", t)
+        for t in texts
+    ]
+    assert texts and all(named), texts
+    assert any(m.group(1) != "none" for m in named if m)
