@@ -17,7 +17,8 @@ backend), each in a fresh state folder:
 - portable / portable-avx2: both again with ``RAGEN_PORTABLE_NUMERICS=1``, which makes ``ragen_core``
   ask for the kernels that are the same whatever the CPU (``ragen_core.PORTABLE_NUMERICS_ENV``:
   ``ATEN_CPU_CAPABILITY=default``, ATen's non-vectorised kernels; ``ONEDNN_MAX_CPU_ISA=SSE41``;
-  ``MKL_CBWR=COMPATIBLE``, MKL's code path that gives the same results on every x86 CPU).
+  ``MKL_CBWR=COMPATIBLE``, MKL's code path meant to give the same results on every x86 CPU; an
+  emulation caps the instruction set, not the vendor: ``portable_digests.py`` checks two real machines).
 
 It compares the warm start, every iteration's rollouts and checkpoint and the validation rollouts
 (as ``identity.py`` does) between native and avx2 (does a run move across machines?) and between

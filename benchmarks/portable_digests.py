@@ -9,6 +9,11 @@ order), and each rollouts and validation table without its ``run_id`` and ``iter
 (the Arrow IPC stream of the rest). ``--record FILE`` writes them with this machine's CPU (model name,
 AVX-512 or not); ``--check FILE`` trains again and compares with a file recorded elsewhere.
 
+Both also record ``benchmarks/numerics_probes.py``'s digests of the primitives the run is made of
+(tokenizer, init, random draws, elementwise maths, matrix products, attention, one training step),
+so that two machines whose runs differ see which primitive parts them first. A file recorded
+before the probes existed has none; they are then reported as not recorded there.
+
 The digests also follow the code and the pinned packages: re-record when a change that moves the
 numbers on purpose lands (``benchmarks/identity.py`` tells whether one did).
 
@@ -21,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -42,6 +50,17 @@ from ragen_core import PORTABLE_SWITCH
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def probe_digests() -> dict[str, str]:
+    """``numerics_probes.py`` in a fresh process with the switch set (the libraries read it at load).
+    ``-P``: the benchmarks folder stays off the path (its envs.py would hide the envs package)."""
+    env = {**os.environ, PORTABLE_SWITCH: "1", "PYTHONPATH": str(ROOT)}
+    script = str(ROOT / "benchmarks" / "numerics_probes.py")
+    done = subprocess.run(
+        [sys.executable, "-P", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)
+
+
 def cpu() -> dict[str, object]:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next(
@@ -51,6 +70,16 @@ def cpu() -> dict[str, object]:
         (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
     )
     return {"model": model, "avx512f": "avx512f" in flags, "avx2": "avx2" in flags}
+
+
+NUMERIC_PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "safetensors", "pyarrow")
+
+
+def software() -> dict[str, str]:
+    """What else decides the numbers: the C library (libm's maths) and the numeric packages."""
+    found = {"glibc": "-".join(platform.libc_ver()), "python": platform.python_version()}
+    found.update({name: importlib.metadata.version(name) for name in NUMERIC_PACKAGES})
+    return found
 
 
 def tensors_digest(*files: Path) -> str:
@@ -100,19 +129,38 @@ def main() -> None:
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
-    here = {"cpu": cpu(), "commit": commit.stdout.strip(), "iterations": args.iterations, "digests": found}
+    probes = probe_digests()
+    here = {
+        "cpu": cpu(),
+        "software": software(),
+        "commit": commit.stdout.strip(),
+        "iterations": args.iterations,
+        "digests": found,
+        "probes": probes,
+    }
     if args.record:
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(here, indent=1) + "\n")
-        print(f"recorded {len(found)} digests on {here['cpu']} at {here['commit']} in {args.record}")
+        print(
+            f"recorded {len(found)} digests and {len(probes)} probes on {here['cpu']} at {here['commit']}"
+            f" in {args.record}"
+        )
         return
     ref = json.loads(args.check.read_text())
     print(f"recorded on {ref['cpu']} at {ref['commit']}; this machine: {here['cpu']} at {here['commit']}")
+    print(f"software there: {ref.get('software', 'not recorded')}; here: {here['software']}")
     equal = 0
     for name, digest in ref["digests"].items():
         same = found.get(name) == digest
         equal += same
         print(f"  {'equal' if same else 'DIFFERENT':>9}  {name}")
+    recorded_probes = ref.get("probes", {})
+    print(f"primitives ({len(recorded_probes)} recorded there):")
+    for name, digest in probes.items():
+        mark = "not recorded" if name not in recorded_probes else "equal"
+        if name in recorded_probes and recorded_probes[name] != digest:
+            mark = "DIFFERENT"
+        print(f"  {mark:>12}  {name}")
     ratio = equal / max(len(ref["digests"]), 1)
     print(f"BENCH portable_cross_machine ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}")
 
