@@ -69,7 +69,21 @@ def cpu() -> dict[str, object]:
     flags = next(
         (line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []
     )
-    return {"model": model, "avx512f": "avx512f" in flags, "avx2": "avx2" in flags}
+
+    def field(name: str) -> str:
+        return next(
+            (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith(name)), "?"
+        )
+
+    # Cores and siblings (logical CPUs per socket): a 2-CPU machine may be 2 cores or 1 core with 2
+    # hyper-threads, and the thread count the libraries default to may follow either.
+    return {
+        "model": model,
+        "avx512f": "avx512f" in flags,
+        "avx2": "avx2" in flags,
+        "cores": field("cpu cores"),
+        "siblings": field("siblings"),
+    }
 
 
 NUMERIC_PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "safetensors", "pyarrow")
@@ -77,7 +91,12 @@ NUMERIC_PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "safetensors
 
 def software() -> dict[str, str]:
     """What else decides the numbers: the C library (libm's maths) and the numeric packages."""
-    found = {"glibc": "-".join(platform.libc_ver()), "python": platform.python_version()}
+    found = {
+        "glibc": "-".join(platform.libc_ver()),
+        "python": platform.python_version(),
+        # a reduction split over another number of threads adds in another order
+        "torch_threads": str(torch.get_num_threads()),
+    }
     found.update({name: importlib.metadata.version(name) for name in NUMERIC_PACKAGES})
     return found
 
@@ -149,6 +168,10 @@ def main() -> None:
     ref = json.loads(args.check.read_text())
     print(f"recorded on {ref['cpu']} at {ref['commit']}; this machine: {here['cpu']} at {here['commit']}")
     print(f"software there: {ref.get('software', 'not recorded')}; here: {here['software']}")
+    there = {**ref.get("software", {}), **ref["cpu"]}
+    for key, value in {**here["software"], **here["cpu"]}.items():
+        if key in there and there[key] != value and key != "model":
+            print(f"  differs: {key} {there[key]} there, {value} here")
     equal = 0
     for name, digest in ref["digests"].items():
         same = found.get(name) == digest
