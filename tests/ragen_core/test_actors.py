@@ -25,8 +25,13 @@ CFG = make_cfg(
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # 2 actors + a spare. An in-process run of an earlier module on this pytest worker may have left its
+    # own cluster up (init_ray starts one per process, sized to the machine: 2 CPUs here), and the third
+    # actor would then wait for a free CPU: which modules share a worker depends on timing.
+    if ray.is_initialized() and ray.cluster_resources().get("CPU", 0) < 4:
+        ray.shutdown()
     started = not ray.is_initialized()
-    init_ray(num_cpus=4, object_store_memory=256 * 1024**2)  # logical CPUs: 2 actors + a spare
+    init_ray(num_cpus=4, object_store_memory=256 * 1024**2)
     yield
     if started:
         ray.shutdown()
