@@ -159,11 +159,11 @@ def later_calls_are_free(tr: Tracker, tmp_path: Path) -> float:
 TIMED_STAGES = ("gen", "update", "checkpoint", "testing", "collapse")
 
 
-def untimed_s(run: Path, k: int) -> float:
+def untimed_s(run: RunDir, k: int) -> float:
     """Iteration ``k``'s wall time (previous DONE to its DONE) outside its timed stages."""
-    done = [(run / f"iter_{i:04d}" / "DONE").stat().st_mtime for i in (k - 1, k)]
-    metrics = json.loads((run / f"iter_{k:04d}" / "metrics.json").read_text())
-    return done[1] - done[0] - sum(metrics.get(f"timing_s/{s}", 0.0) for s in TIMED_STAGES)
+    wall = run.done_file(k).stat().st_mtime - run.done_file(k - 1).stat().st_mtime
+    metrics = json.loads(run.metrics_file(k).read_text())
+    return wall - sum(metrics.get(f"timing_s/{s}", 0.0) for s in TIMED_STAGES)
 
 
 def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Server, tmp_path: Path) -> None:
@@ -196,7 +196,7 @@ def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Serv
     finally:
         finished.set()
         watcher.join(5)
-    done = time.monotonic()
+    done, done_wall = time.monotonic(), time.time()  # the wall clock to compare with file times
     log = out.stdout + out.stderr
     assert "at" in killed, "the run ended before iteration 2 was done?\n" + log[-3000:]
     assert out.returncode == 0, log[-4000:]
@@ -205,11 +205,12 @@ def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Serv
     # The loop never waits on the dead server: each iteration's wall time outside its timed stages (~0.1 s
     # here) stays what it was with the server up, plus one failed call at most. Measured against the loop's
     # own stage timings, so a loaded machine (slower stages) does not fail it, where a wall-clock bound did.
-    up, down = untimed_s(run, 2), [untimed_s(run, k) for k in range(3, iterations + 1)]
+    rd = RunDir(run)
+    up, down = untimed_s(rd, 2), [untimed_s(rd, k) for k in range(3, iterations + 1)]
     assert sum(down) < FIRST_FAILURE_S + len(down) * max(1.0, 5 * up), (up, down)
     # After the last iteration: drain the log queue (one failed call, then every call returns at once) and
     # exit; a Tracker retrying each of its calls against the dead server would take minutes here.
-    tail = done - (run / f"iter_{iterations:04d}" / "DONE").stat().st_mtime
+    tail = done_wall - rd.done_file(iterations).stat().st_mtime
     assert tail < 60, (tail, done - killed["at"], done - t0)
     assert f"MLflow at {server.uri} unreachable since" in log, log[-4000:]
     assert f"`ragen train --resume {run.name}` logs what is missing" in log, log[-4000:]
