@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ragen_core.algorithms import SPREAD_FILTER_METRICS, kept_group_count
 from ragen_core.env_groups import EnvGroupsConfig
@@ -89,6 +89,33 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
             "(grouped-query attention shares each key/value head among num_heads / num_kv_heads "
             "query heads); choose a model.num_kv_heads that divides model.num_heads"
         )
+    return problems
+
+
+def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
+    """Constrained decoding needs an engine that implements it and environments with a list of actions."""
+    if cfg.agent.action_decoding != "constrained":
+        return []
+    import envs
+
+    problems = []
+    if cfg.rollout.engine != "hf":
+        problems.append(
+            f"agent.action_decoding=constrained is implemented by the hf rollout engine, not by "
+            f"rollout.engine={cfg.rollout.engine}; set rollout.engine=hf or agent.action_decoding=free"
+        )
+    for key, groups in (("train.tags", cfg.train), ("val.tags", cfg.val)):
+        for tag in groups.tags:
+            try:
+                free_text = envs.make(tag, **groups.env_overrides.get(tag, {})).actions is None
+            except Exception:
+                continue
+            if free_text:
+                problems.append(
+                    f"{key}: {tag} has free-text answers (no list of actions), so agent.action_decoding="
+                    "constrained has nothing to spell; set agent.action_decoding=free or train on an "
+                    "environment with actions (Bandit, FrozenLake, Sokoban)"
+                )
     return problems
 
 
@@ -269,6 +296,19 @@ class TrainerConfig(BaseModel):
     rollout_cpus: float = Field(default=1, gt=0, description="CPUs of the rollout actor")
     rollout_gpus: float = Field(default=0, ge=0, description="GPUs of the rollout actor")
     rollout_threads: int | None = Field(default=None, ge=1, description="torch threads in the rollout worker")
+    probe: Literal["warn", "error", "off"] = Field(
+        default="warn",
+        description="before a new run without a warm start, the learnability check of `ragen probe` on the "
+        "starting policy (a few groups of the train envs): warn logs a no-go and trains on; error stops the "
+        "run before its folder exists; off skips it (a config with sft: always skips it: the warm start "
+        "changes the policy it would judge)",
+    )
+
+    @field_validator("probe", mode="before")
+    @classmethod
+    def _probe_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
+
     iteration_as: Literal["subflow", "task"] = Field(
         default="subflow",
         description="subflow: each iteration is a Prefect flow run of its own (its own page in the UI; ~7 API "
@@ -314,6 +354,7 @@ class RagenConfig(BaseModel):
         if self.sft is not None:
             problems += tag_problems(self.sft.tags, "sft.tags")
         problems += _model_shape_problems(self.model)
+        problems += _action_decoding_problems(self)
         if problems:
             raise ValueError("\n  ".join(problems))
         g, f, algo = self.train, self.rollout.filter, self.learner.algorithm

@@ -63,6 +63,7 @@ from ragen_core.algorithms import (
     normalize_scores,
     policy_loss,
     reinforce_pp,
+    restrict_to_allowed,
     rloo,
     soft_advantage_weights,
     turn_rewards_to_tokens,
@@ -196,6 +197,7 @@ class _StepTensors:
     returns: torch.Tensor  # (B, L) critic targets
     advantages: torch.Tensor  # (B, L)
     old_logp_from_update: bool  # the single update's own forward pass fills old_logp
+    allowed: torch.Tensor | None = None  # (B, L, K) constrained tokens' allowed ids, -1-padded
 
 
 class Learner:
@@ -328,8 +330,13 @@ class Learner:
         mask: torch.Tensor,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
+
+        ``allowed`` (b, l, K): for tokens sampled under constrained decoding, the ids they were sampled
+        among (-1-padded; all -1 elsewhere). Their distribution is the softmax over those ids alone,
+        ``log pi_c(y) = z_y - logsumexp_{a in A} z_a``, and so is their entropy: the policy that played.
 
         Zero outside ``mask``. For the decoder families of ``_HEAD_ONLY_ON_MASK`` the LM head and
         the softmax run only on the trained positions (environment and prompt tokens need no
@@ -345,6 +352,8 @@ class Learner:
             else:
                 logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][targets]
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if allowed is not None:
+            logits = restrict_to_allowed(logits, allowed[:, 1:][targets])
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, input_ids[:, 1:][targets][:, None]).squeeze(-1)
         entropy = None
@@ -364,13 +373,15 @@ class Learner:
     @torch.no_grad()
     def _infer(
         self,
-        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
         input_ids: torch.Tensor,
         mask: torch.Tensor,
         lengths: torch.Tensor,
         dtype: torch.dtype,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run ``fn(ids, mask) -> (b, l)`` over this rank's share of the rows in micro-batches; all-reduce."""
+        """Run ``fn(ids, mask, allowed) -> (b, l)`` over this rank's share of the rows in micro-batches
+        (``allowed``: the rows' slice of it, or None); all-reduce."""
         batch, length = input_ids.shape
         out = torch.zeros(batch, length, dtype=dtype, device=self.device)
         lo, hi = _split(batch, self.world_size)[self.rank]
@@ -378,7 +389,8 @@ class Learner:
         for start in range(lo, hi, mbs):
             end = min(start + mbs, hi)
             width = int(lengths[start:end].max())
-            out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width]).to(dtype)
+            part = None if allowed is None else allowed[start:end, :width]
+            out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width], part).to(dtype)
         if self.world_size > 1:
             dist.all_reduce(out)
         return out
@@ -403,7 +415,7 @@ class Learner:
             mask[r, start : len(s)] = True
         fdtype = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
         logp = self._infer(
-            lambda ids, m: self._logprobs(self.policy, ids, m)[0],
+            lambda ids, m, a: self._logprobs(self.policy, ids, m)[0],
             input_ids.to(self.device),
             mask.to(self.device),
             lengths.to(self.device),
@@ -644,6 +656,9 @@ class Learner:
         maskf = mask.to(fdtype)
         scores = batch.scores.to(dev, fdtype)
         n_seq = mask.shape[0]
+        allowed = getattr(batch, "allowed_token_ids", None)
+        if allowed is not None:
+            allowed = allowed[:, :width].to(dev)
 
         # 1. old log-probs, reference log-probs, values (no grad) --------------------------------
         n_mini = max(1, n_seq // opt.mini_batch_size)
@@ -669,7 +684,12 @@ class Learner:
             old_logp = torch.zeros_like(maskf)
         else:
             old_logp = self._infer(
-                lambda ids, m: self._logprobs(self.policy, ids, m)[0], input_ids, mask, lengths, fdtype
+                lambda ids, m, a: self._logprobs(self.policy, ids, m, allowed=a)[0],
+                input_ids,
+                mask,
+                lengths,
+                fdtype,
+                allowed,
             )
             timing["old_log_prob"] = time.perf_counter() - t
         ref_logp = None
@@ -677,13 +697,20 @@ class Learner:
             t = time.perf_counter()
             with self._ref_policy() as ref:
                 ref_logp = self._infer(
-                    lambda ids, m: self._logprobs(ref, ids, m)[0], input_ids, mask, lengths, fdtype
+                    lambda ids, m, a: self._logprobs(ref, ids, m, allowed=a)[0],
+                    input_ids,
+                    mask,
+                    lengths,
+                    fdtype,
+                    allowed,
                 )
             timing["ref"] = time.perf_counter() - t
         values = None
         if self.critic is not None:
             t = time.perf_counter()
-            values = self._infer(lambda ids, m: self._values(ids), input_ids, mask, lengths, fdtype) * maskf
+            values = (
+                self._infer(lambda ids, m, a: self._values(ids), input_ids, mask, lengths, fdtype) * maskf
+            )
             timing["values"] = time.perf_counter() - t
 
         # 2. token rewards: the (normalised) score on the last trained token, or each trained turn's
@@ -735,6 +762,7 @@ class Learner:
             returns=returns,
             advantages=advantages,
             old_logp_from_update=from_update,
+            allowed=allowed,
         )
         acc = _UpdateMetrics()
 
@@ -823,7 +851,12 @@ class Learner:
                 acc.add_token_mean("critic/vpred_mean", masked_mean(vpred.detach(), mask), n_tok)
             else:
                 logp, entropy = self._logprobs(
-                    self.policy, ids, mask, with_entropy=True, entropy_grad=alg.entropy_coeff != 0
+                    self.policy,
+                    ids,
+                    mask,
+                    with_entropy=True,
+                    entropy_grad=alg.entropy_coeff != 0,
+                    allowed=None if data.allowed is None else data.allowed[idx, :width],
                 )
                 if data.old_logp_from_update:
                     data.old_logp[idx, :width] = logp.detach() * mask
@@ -951,9 +984,9 @@ class Learner:
         if rollout_logp is not None:
             rl = rollout_logp[:, : maskf.shape[1]].to(maskf.device, maskf.dtype)
             if bool((rl[mask] != 0).any()):
-                out["rollout/old_vs_rollout_logprob_diff"] = float(
-                    masked_mean((data.old_logp - rl).abs(), maskf)
-                )
+                gap = (data.old_logp - rl).abs()
+                out["rollout/old_vs_rollout_logprob_diff"] = float(masked_mean(gap, maskf))
+                out["rollout/old_vs_rollout_logprob_max_diff"] = float(gap[mask].max())
         per_seq = maskf.sum(dim=1)
         out["response_length/mean"] = float(per_seq.mean())
         out["response_length/max"] = float(per_seq.max())

@@ -39,8 +39,10 @@ compares with the step where success collapses.
 Use it online (``EchoTrapMonitor.update`` once per iteration, ``state_dict`` saved with the
 checkpoint so that a resumed run continues where it stopped) or offline (``detect`` replays
 whole metric histories, e.g. read back from MLflow for a sweep report); both give the same
-signals. Note that a policy that solves its task deterministically also has zero in-group std:
-read a std signal together with the success curve. Pure Python; no MLflow, no torch.
+signals. A policy that solves its task deterministically also has zero in-group std: that is
+convergence, not the Echo Trap, so the std signals do not count iterations whose training success
+(``success_key``) is at least ``converged_success`` (a SmolLM2 bandit run's early warning fired at
+iteration 11 while it won 99-100% of its episodes). Pure Python; no MLflow, no torch.
 """
 
 from __future__ import annotations
@@ -93,6 +95,14 @@ class MonitorConfig(BaseModel):
     std_warmup: int = Field(default=5, ge=1, description="iterations seen before the std check starts")
     std_collapse_ratio: float | None = Field(
         default=0.1, gt=0.0, lt=1.0, description="fires when std < ratio x its running max"
+    )
+    success_key: str = Field(default="train/success", description="training success metric (convergence)")
+    converged_success: float | None = Field(
+        default=0.95,
+        gt=0.0,
+        le=1.0,
+        description="a reward std that falls while training success is at least this is convergence (every "
+        "member of a group wins), not the Echo Trap: the std signals do not count it (None: they always do)",
     )
 
     grad_key: str = Field(default="actor/grad_norm", description="pre-clip gradient norm metric")
@@ -156,7 +166,9 @@ class MonitorConfig(BaseModel):
 
     def metric_keys(self) -> list[str]:
         """The metric keys the monitor reads."""
-        return list(dict.fromkeys([self.std_key, self.grad_key, self.entropy_key, self.val_key]))
+        return list(
+            dict.fromkeys([self.std_key, self.grad_key, self.entropy_key, self.val_key, self.success_key])
+        )
 
 
 @dataclass(frozen=True)
@@ -330,8 +342,12 @@ class EchoTrapMonitor:
                 values[key] = float(metrics[key])
                 self._series[key].append((step, values[key]))
         if c.std_key in values:
-            fired += self._update_std(step, values[c.std_key])
-            fired += self._update_variance(step, values[c.std_key])
+            success = values.get(c.success_key)
+            converged = (
+                c.converged_success is not None and success is not None and success >= c.converged_success
+            )
+            fired += self._update_std(step, values[c.std_key], converged)
+            fired += self._update_variance(step, values[c.std_key], converged)
         if c.grad_key in values:
             fired += self._update_grad(step, values[c.grad_key])
         if c.entropy_key in values:
@@ -341,13 +357,13 @@ class EchoTrapMonitor:
         self.signals.extend(fired)
         return fired
 
-    def _update_std(self, step: int, v: float) -> list[Signal]:
+    def _update_std(self, step: int, v: float, converged: bool = False) -> list[Signal]:
         c = self.cfg
         if not math.isfinite(v):
             return []
         out: list[Signal] = []
         if c.std_collapse_ratio is not None and self._std_n >= c.std_warmup and self._std_max > 0:
-            cond = v < c.std_collapse_ratio * self._std_max
+            cond = v < c.std_collapse_ratio * self._std_max and not converged
             hit = self._std_edge.feed(cond, step, v, self._std_max)
             if hit:
                 s, val, ref = hit
@@ -434,7 +450,7 @@ class EchoTrapMonitor:
                 )
         return out
 
-    def _update_variance(self, step: int, v: float) -> list[Signal]:
+    def _update_variance(self, step: int, v: float, converged: bool = False) -> list[Signal]:
         c = self.cfg
         if c.var_collapse_ratio is None or not math.isfinite(v):
             return []
@@ -442,7 +458,7 @@ class EchoTrapMonitor:
             self._var_first.append(v)
             return []
         base = sum(self._var_first) / len(self._var_first)
-        hit = self._var_edge.feed(v < c.var_collapse_ratio * base, step, v, base)
+        hit = self._var_edge.feed(v < c.var_collapse_ratio * base and not converged, step, v, base)
         if not hit:
             return []
         s, val, ref = hit

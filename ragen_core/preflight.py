@@ -107,3 +107,24 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
             )
     if problems:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+
+
+def learnability_check(cfg: RagenConfig) -> None:
+    """``trainer.probe``: the learnability check of ``ragen probe`` before a new run (not after a warm
+    start, which changes the policy it would judge). ``warn`` logs a no-go with its reason and advice;
+    ``error`` raises it as a :class:`PreflightError`, before the run folder exists."""
+    if cfg.trainer.probe == "off" or cfg.sft is not None:
+        return
+    import logging
+
+    from ragen_core.probe import probe
+
+    result = probe(cfg)
+    log = logging.getLogger("ragen.progress")
+    if result.go:
+        log.info("learnability probe: %s", result.lines()[0])
+        return
+    report = "\n  ".join(result.lines())
+    if cfg.trainer.probe == "error":
+        raise PreflightError(f"the learnability probe says no-go (trainer.probe=error):\n  {report}")
+    log.warning("learnability probe (trainer.probe=warn; error stops such a run):\n  %s", report)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -72,6 +72,12 @@ class ProtocolConfig(BaseModel):
     #: per-episode action budget for every tag (None: each tag's catalogue value); the paper's
     #: actions-per-turn ablation sets it to 5 x max_actions_per_turn
     max_actions_per_traj: int | None = Field(default=None, ge=1)
+    action_decoding: Literal["free", "constrained"] = Field(
+        default="free",
+        description="free: the answer is sampled from the whole vocabulary (RAGEN); constrained: only token "
+        "sequences that spell valid actions joined by the separator, then </answer> (the think part stays "
+        "free); the learner trains the same renormalised policy (docs/architecture.md)",
+    )
 
     @field_validator("max_actions_per_turn")
     @classmethod

@@ -269,7 +269,7 @@ def build_demonstrations(
             turn_ids=[t.ids for t in turns[i]],
         )
         if window <= 0:
-            ids, mask, tidx, _ = seg.assemble(groups.messages(i, for_generation=False), turns[i], 0)
+            ids, mask, tidx, _, _ = seg.assemble(groups.messages(i, for_generation=False), turns[i], 0)
             demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
             continue
         history = groups.history(i)
@@ -278,7 +278,7 @@ def build_demonstrations(
             messages = build_messages(
                 groups.prefix(i), history[: j + 1], protocol, groups.max_tokens(i), False
             )
-            ids, mask, tidx, _ = seg.assemble(messages, turns[i][start : j + 1], start)
+            ids, mask, tidx, _, _ = seg.assemble(messages, turns[i][start : j + 1], start)
             mask = [m if t == j else 0 for m, t in zip(mask, tidx, strict=True)]
             demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
     return demos

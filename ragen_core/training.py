@@ -37,7 +37,7 @@ from ragen_core.log_process import open_step_log, wait_for_earlier_logging
 from ragen_core.logged_models import log_kept_models
 from ragen_core.model_import import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
-from ragen_core.preflight import preflight
+from ragen_core.preflight import learnability_check, preflight
 from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.resume import resume_config
 from ragen_core.run_dir import RunDir, create_run, find_run, run_name
@@ -107,6 +107,7 @@ def open_run(
         cfg = load_config(source, list(overrides))
         preflight(cfg)
         new_name, changes = run_name(cfg, name, source), {}
+        learnability_check(cfg)
     try:
         tracker = Tracker(cfg.tracking, state)  # an unreachable server fails here, before a run folder exists
         if lock is None:

@@ -299,6 +299,9 @@ class TokenBatch:
     turn_scores: torch.Tensor | None = None
     #: (B,) the environment tag of each row (reward normalisation with grouping ``inductive``)
     env_tags: tuple[str, ...] | None = None
+    #: (B, L, K) int64: the token ids each token was sampled among under constrained decoding, -1-padded;
+    #: a position whose row is all -1 was sampled from the whole vocabulary. None: no constrained token
+    allowed_token_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -329,17 +332,34 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
         group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
         turn_scores=_turn_scores(cols) if "turn_rewards" in cols else None,
         env_tags=tuple(cols["env_tag"]) if "env_tag" in cols else None,
+        allowed_token_ids=_allowed_token_ids(cols, length),
     )
+
+
+def _info(cols: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    infos = cols.get("info") or [None] * len(cols["input_ids"])
+    return [json.loads(i) if isinstance(i, str) and i else (i or {}) for i in infos]
+
+
+def _allowed_token_ids(cols: Mapping[str, Sequence[Any]], length: int) -> torch.Tensor | None:
+    """The constrained tokens' allowed ids (``info["allowed_token_ids"]``: ``[position, ids]`` pairs) as
+    a ``(B, length, K)`` tensor padded with -1; None when no row has any (free decoding)."""
+    rows = [meta.get("allowed_token_ids") or [] for meta in _info(cols)]
+    width = max((len(ids) for row in rows for _, ids in row), default=0)
+    if width == 0:
+        return None
+    out = torch.full((len(rows), length, width), -1, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        for pos, ids in row:
+            out[i, pos, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    return out
 
 
 def _turn_scores(cols: Mapping[str, Sequence[Any]]) -> torch.Tensor:
     """Per trained turn: its env reward plus its format penalty (turns outside the context window
     were not trained and are left out)."""
     rows = []
-    for rewards, info in zip(
-        cols["turn_rewards"], cols.get("info") or [None] * len(cols["turn_rewards"]), strict=True
-    ):
-        meta = json.loads(info) if isinstance(info, str) and info else (info or {})
+    for rewards, meta in zip(cols["turn_rewards"], _info(cols), strict=True):
         penalties = meta.get("turn_penalties") or [0.0] * len(rewards)
         first = int(meta.get("first_trained_turn", 0))
         rows.append([r + p for r, p in zip(rewards, penalties, strict=True)][first:])

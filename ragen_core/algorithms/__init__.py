@@ -16,6 +16,7 @@ from ragen_core.algorithms.advantages import (
     turn_rewards_to_tokens,
     whiten,
 )
+from ragen_core.algorithms.constrained import restrict_to_allowed
 from ragen_core.algorithms.filter_metrics import (
     FILTER_METRICS,
     SPREAD_FILTER_METRICS,
@@ -93,6 +94,7 @@ __all__ = [
     "policy_loss",
     "reinforce_pp",
     "response_lengths",
+    "restrict_to_allowed",
     "rloo",
     "sampled_token_entropy",
     "select_by_value",

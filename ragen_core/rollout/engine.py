@@ -49,10 +49,15 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ragen_core.algorithms.constrained import restrict_to_allowed
+
+if TYPE_CHECKING:
+    from ragen_core.rollout.constrained import AnswerConstraint
 
 FinishReason = Literal["stop", "length"]
 
@@ -98,6 +103,9 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason = "length"
+    #: per token, the ids it was sampled among under constrained decoding (``None``: the whole
+    #: vocabulary); empty when the call had no constraints. ``logprobs`` are then renormalised over them.
+    allowed: list[tuple[int, ...] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -113,7 +121,12 @@ class RolloutEngine(ABC):
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """Sample one continuation per prompt (token ids, no decoding); same seeds, same tokens."""
+        """Sample one continuation per prompt (token ids, no decoding); same seeds, same tokens.
+
+        Engines that support constrained action decoding take a keyword ``constraints``: one
+        :class:`~ragen_core.rollout.constrained.AnswerConstraint` (or ``None``) per prompt; the runner
+        passes it only when the config asks for constrained decoding.
+        """
 
     @abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -179,6 +192,19 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     return probs
+
+
+def restrict_logits(logits: torch.Tensor, allowed: Sequence[Sequence[int] | None]) -> torch.Tensor:
+    """``logits`` with ``-inf`` outside each row's allowed ids (``None``: the row is free), the same
+    renormalised policy the learner trains (``algorithms.restrict_to_allowed``)."""
+    if all(a is None for a in allowed):
+        return logits
+    width = max(len(a) for a in allowed if a is not None)
+    table = torch.full((len(allowed), width), -1, dtype=torch.long)
+    for row, ids in enumerate(allowed):
+        if ids is not None:
+            table[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+    return restrict_to_allowed(logits, table)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -260,11 +286,16 @@ class HFEngine(RolloutEngine):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
     ) -> list[Generation]:
+        """See :meth:`RolloutEngine.generate`; ``constraints[i]`` restricts prompt ``i``'s answer span
+        (its tokens are sampled among the allowed ids and their log-probs renormalised over them)."""
         self._check_open()
         if not prompts:
             return []
         check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"got {len(constraints)} constraints for {len(prompts)} prompts")
         seed_list = resolve_seeds(len(prompts), params, seeds)
         chunk = self.max_batch_size or len(prompts)
         out: list[Generation] = []
@@ -284,6 +315,7 @@ class HFEngine(RolloutEngine):
                         seed_list[start:end],
                         hits[start:end],
                         kept if keeping else None,
+                        None if constraints is None else constraints[start:end],
                     )
                 )
         finally:
@@ -300,6 +332,7 @@ class HFEngine(RolloutEngine):
         seeds: list[int],
         hits: Sequence[_KeptKV | None],
         keep: dict[tuple[int, ...], _KeptKV] | None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
     ) -> list[Generation]:
         """Decode ``prompts``; ``hits[i]`` is a kept prefix of prompt ``i`` to start from, and each
         finished sequence's keys/values go into ``keep`` (when given) under its token ids."""
@@ -338,6 +371,12 @@ class HFEngine(RolloutEngine):
             logits = logits.float()
             if torch.isnan(logits).any():
                 raise FloatingPointError("the model produced NaN logits during generation")
+            allowed = None
+            if constraints is not None:
+                allowed = [
+                    c.allowed() if c is not None else None for c in (constraints[i] for i in active.tolist())
+                ]
+                logits = restrict_logits(logits, allowed)
             logp = torch.log_softmax(logits, dim=-1)
             if params.greedy:
                 tok = logits.argmax(dim=-1)
@@ -353,6 +392,11 @@ class HFEngine(RolloutEngine):
                 g = results[i]
                 g.token_ids.append(t)
                 g.logprobs.append(lp)
+                if allowed is not None:
+                    g.allowed.append(allowed[row])
+                    c = constraints[i]  # type: ignore[index]
+                    if c is not None:
+                        c.advance(t)
                 if t in stop:
                     g.finish_reason = "stop"
                 elif len(g.token_ids) >= budgets[i]:

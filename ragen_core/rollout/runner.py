@@ -23,6 +23,7 @@ import numpy as np
 from ragen_core.env_groups import EnvGroups
 from ragen_core.progress import progress_log
 from ragen_core.protocol import Message, forced_prefix
+from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
 from ragen_core.trajectory import Trajectory
 
@@ -75,6 +76,8 @@ class _Turn:
     ids: list[int]
     logprobs: list[float]
     closed: bool  # False: cut by max_new_tokens; the runner appends an end-of-turn token
+    #: per sampled token, the ids it was sampled among (constrained decoding), else empty
+    allowed: list[tuple[int, ...] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -151,8 +154,9 @@ class Segments:
 
     def assemble(
         self, messages: Sequence[Message], turns: Sequence[_Turn], first_turn: int
-    ) -> tuple[list[int], list[int], list[int], list[float]]:
-        """Tokens, loss mask, turn index and log-probs of ``messages``.
+    ) -> tuple[list[int], list[int], list[int], list[float], list[list[int]]]:
+        """Tokens, loss mask, turn index and log-probs of ``messages``, and the constrained tokens as
+        ``[position, allowed ids]`` pairs (empty without constrained decoding).
 
         ``messages`` alternate ``system, user, (assistant, user)*[, assistant]``; the k-th assistant
         message is ``turns[k]``, which is turn ``first_turn + k`` of the episode (0-based).
@@ -161,6 +165,7 @@ class Segments:
         mask: list[int] = []
         turn_idx: list[int] = []
         logps: list[float] = []
+        allowed: list[list[Any]] = []
 
         def add(new: list[int], m: int, t: int, lp: Sequence[float] | None = None) -> None:
             ids.extend(new)
@@ -174,13 +179,14 @@ class Segments:
             raise AssertionError(f"{n_assistant} assistant messages but {len(turns)} sampled turns")
         for k, turn in enumerate(turns):
             t = first_turn + k
+            allowed.extend([len(ids) + j, list(a)] for j, a in enumerate(turn.allowed) if a is not None)
             add(turn.ids, 1, t, turn.logprobs)
             if not turn.closed:
                 add([self.eos_id], 0, t)
             end = 2 + 2 * k + 2  # messages[: end] ends with the user message after this turn
             if end <= len(messages):
                 add(self.encode(self.continuation(messages[:end])), 0, t + 1)
-        return ids, mask, turn_idx, logps
+        return ids, mask, turn_idx, logps, allowed
 
 
 def run_rollouts(
@@ -210,6 +216,18 @@ def run_rollouts(
     groups.reset(seed_round)
     convs = {i: _Conversation() for i in groups.env_ids}
     progress = _Progress(split, len(convs), protocol.max_turn)
+    constrained = protocol.action_decoding == "constrained"
+    grammars: dict[tuple[str, ...], ActionGrammar] = {}
+
+    def constraint(env_id: int) -> AnswerConstraint:
+        actions = tuple(groups.env(env_id).actions or ())
+        if actions not in grammars:
+            grammars[actions] = ActionGrammar(
+                tokenizer, actions, protocol.action_sep, protocol.max_actions_per_turn, seg.eos_id
+            )
+        return AnswerConstraint(
+            grammars[actions], tokenizer, in_answer=not protocol.enable_think, budget=params.max_new_tokens
+        )
 
     def visible(env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
         history = groups.history(env_id)
@@ -234,12 +252,19 @@ def run_rollouts(
                 messages, turns, start = visible(env_id, True)
                 prompts.append(seg.assemble(messages, turns, start)[0])
             seeds = [turn_seed(seed, seed_round, split, env_id, turn) for env_id in active]
-            gens: list[Generation] = engine.generate(prompts, params, seeds)
+            if constrained:
+                gens: list[Generation] = engine.generate(
+                    prompts, params, seeds, constraints=[constraint(env_id) for env_id in active]
+                )
+            else:
+                gens = engine.generate(prompts, params, seeds)
             responses = {}
             for env_id, gen in zip(active, gens, strict=True):
                 ids = list(gen.token_ids)
                 closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
-                convs[env_id].turns.append(_Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed))
+                convs[env_id].turns.append(
+                    _Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed, allowed=list(gen.allowed))
+                )
                 responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
             groups.step(responses)
             progress.turn_done(turn, len(groups.active_ids()))
@@ -247,7 +272,7 @@ def run_rollouts(
     out = []
     for ep in groups.trajectories():
         messages, turns, start = visible(ep.env_id, False)
-        ids, mask, turn_idx, logps = seg.assemble(messages, turns, start)
+        ids, mask, turn_idx, logps, allowed = seg.assemble(messages, turns, start)
         # Transcripts keep what the model actually wrote (the history holds normalised text).
         raw = [r.raw_response or "" for r in groups.history(ep.env_id) if r.played]
         shown = [dict(m) for m in messages]
@@ -257,6 +282,12 @@ def run_rollouts(
                 m["content"] = raw[k]
                 k += 1
         cut_turns = sum(1 for t in convs[ep.env_id].turns if not t.closed)
+        decoding: dict[str, Any] = {}
+        if constrained:  # absent: every turn decoded freely (what every run before this option did)
+            decoding = {
+                "turn_decoding": ["constrained"] * len(convs[ep.env_id].turns),
+                "allowed_token_ids": allowed,
+            }
         out.append(
             Trajectory(
                 run_id=run_id,
@@ -288,6 +319,7 @@ def run_rollouts(
                     "response_truncated": cut_turns > 0,
                     "first_trained_turn": start,
                     "infos": ep.infos,
+                    **decoding,
                 },
             )
         )

@@ -440,6 +440,7 @@ def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_sta
         "learner.optim.mini_batch_size=2",
         "learner.optim.micro_batch_size=2",
         f"trainer.run_root={state / 'runs'}",
+        "trainer.probe=off",  # the probe of this config: test_the_probe_says_no_go_for_free_decoding...
     ]
     out = ragen(
         [
@@ -453,7 +454,7 @@ def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_sta
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iteration 1/1 |" in out.stderr
-    (run,) = (state / "runs").iterdir()
+    (run,) = (state / "runs").glob("smol*")
     assert json.loads((run / "iter_0001" / "metrics.json").read_text())["actor/skipped_steps"] == 0
     rerun = ragen(["rerun", run.name, "--iteration", "1", "--stage", "learn"], state)
     assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
@@ -486,3 +487,63 @@ def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy
         engine.close()
     assert all(len(g.token_ids) > 0 for g in gens)
     assert max_gap(model, prompts, gens) <= 1e-3
+
+
+def test_the_probe_says_no_go_for_free_decoding_on_frozenlake_and_go_for_the_bandit(imported):
+    """`ragen probe` on the real model: the freely decoded FrozenLake config gives no valid answer (no-go,
+    exit 3, constrained decoding advised); the bandit config is a go; both are logged to MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.flows.test_train import ROOT, ragen
+
+    state = Path(imported[0].path).parents[1]
+    free = ragen(["probe", str(ROOT / "configs" / "frozenlake-smollm2-free.yaml"), "--groups", "2"], state)
+    assert free.returncode == 3, free.stdout[-2000:] + free.stderr[-2000:]
+    assert "NO-GO: only 0.0% of the answers are valid" in free.stdout
+    assert "try: --set agent.action_decoding=constrained" in free.stdout
+    bandit = ragen(["probe", str(ROOT / "configs" / "bandit-smollm2.yaml"), "--groups", "2"], state)
+    assert bandit.returncode == 0 and bandit.stdout.startswith("GO:"), (
+        bandit.stdout[-2000:] + bandit.stderr[-2000:]
+    )
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.`ragen.kind` = 'probe'"
+    )
+    verdicts = sorted((r.info.run_name, r.data.metrics["probe/go"]) for r in runs)
+    assert verdicts == [("probe-bandit-smollm2", 1.0), ("probe-frozenlake-smollm2-free", 0.0)]
+
+
+def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported):
+    """configs/frozenlake-smollm2.yaml (constrained action decoding) for one iteration on a small batch:
+    every answer is valid, every turn is recorded as constrained, and the learner's masked log-probs
+    equal the rollout's (rollout/old_vs_rollout_logprob_diff)."""
+    import pyarrow.parquet as pq
+
+    from tests.flows.test_train import ROOT, ragen
+
+    state = Path(imported[0].path).parents[1]
+    sets = [
+        "trainer.iterations=1",
+        "train.n_groups=[2]",
+        "train.group_size=4",
+        "val.n_groups=[4]",
+        "rollout.filter_ratio=0.5",
+        "learner.optim.mini_batch_size=4",
+        "learner.optim.micro_batch_size=4",
+        "learner.optim.old_logprobs_from_update=false",
+        f"trainer.run_root={state / 'runs'}",
+    ]
+    args = ["train", str(ROOT / "configs" / "frozenlake-smollm2.yaml"), "--name", "fl"]
+    out = ragen([*args, *[x for s in sets for x in ("--set", s)]], state)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "learnability probe" in out.stderr  # trainer.probe=warn: the check ran before the run
+    (run,) = (state / "runs").glob("fl*")
+    rows = pq.read_table(run / "iter_0001" / "rollouts.parquet").to_pylist()
+    infos = [json.loads(r["info"]) for r in rows]
+    assert all(p == 0 for i in infos for p in i["turn_penalties"])  # every answer valid
+    assert all(
+        i["turn_decoding"] == ["constrained"] * r["turn_count"] for i, r in zip(infos, rows, strict=True)
+    )
+    metrics = json.loads((run / "iter_0001" / "metrics.json").read_text())
+    assert metrics["train/FrozenLake/action_is_valid"] == 1.0
+    assert metrics["rollout/old_vs_rollout_logprob_max_diff"] <= 1e-4

@@ -67,3 +67,33 @@ def test_a_stable_frozenlake_run_with_a_dip_is_not_flagged() -> None:
     val = dict(hist["val-env/success"])
     assert val[60] < val[50]  # it dipped (0.688 -> 0.658) and recovered
     assert detect(hist, MonitorConfig()) == []
+
+
+def converging_history(success_after_drop: float) -> dict[str, list[tuple[int, float]]]:
+    """A history shaped after a configs/bandit-smollm2.yaml run (seed 7) whose early warning fired at
+    iteration 11 ("in-group reward std 0 ... fell below 0.1 x its running max") while training and
+    validation success were 0.99-1.00: the std climbs while the policy learns, then falls to 0 when
+    every member of every group picks the same arm. ``success_after_drop`` is the training success once
+    the std has fallen: about 1 for that converged run, low for an Echo-Trap collapse."""
+    std = [0.20, 0.30, 0.42, 0.45, 0.40, 0.33, 0.20, 0.10, 0.04, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    rising = [0.05, 0.15, 0.35, 0.55, 0.70, 0.82, 0.90, 0.95]
+    success = rising + [success_after_drop] * (len(std) - len(rising))
+    steps = range(1, len(std) + 1)
+    return {
+        "rollout/in_group_std": list(zip(steps, std, strict=True)),
+        "train/success": list(zip(steps, success, strict=True)),
+        "actor/grad_norm": [(s, 1.0) for s in steps],
+    }
+
+
+def test_a_converged_policy_is_not_flagged_and_the_same_std_fall_with_low_success_is() -> None:
+    converged = converging_history(success_after_drop=0.995)
+    assert detect(converged, MonitorConfig()) == []
+    assert fired_online(EchoTrapMonitor(MonitorConfig()), converged) == []
+    collapsed = converging_history(success_after_drop=0.30)
+    names = [(s.name, s.step) for s in detect(collapsed, MonitorConfig())]
+    assert ("reward_std_collapse", 9) in names
+    # without the convergence rule the converged run raised the same early warning (the false alarm)
+    assert detect(converged, MonitorConfig(converged_success=None)) == detect(
+        collapsed, MonitorConfig(converged_success=None)
+    )

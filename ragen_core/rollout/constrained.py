@@ -1,0 +1,222 @@
+"""Constrained action decoding: inside the answer span, only token sequences that spell valid actions.
+
+A zero-shot instruct model rarely writes one of an environment's action words after ``<answer>`` (a
+135 M model on FrozenLake: about 0.06% of the probability), so every group's rewards are equal and
+RL has nothing to reinforce. With ``agent.action_decoding: constrained`` the engine samples the
+answer span from the policy restricted to the token sequences of the grammar
+
+    answer := action (sep action){0, max_actions_per_turn - 1} close eos
+
+where each piece has a few spellings, each encoded by the tokenizer on its own: ``action`` is an
+action name with or without a leading blank, ``sep`` the action separator with or without one,
+``close`` ``</answer>`` with or without one, and ``eos`` the end-of-turn token. The grammar is a
+token trie per piece; :class:`ActionGrammar` walks them as a small nondeterministic automaton (a
+spelling that is a prefix of another keeps both paths alive), so any mix of spellings is allowed and
+every sampled answer parses to valid actions.
+
+The policy that played is ``pi_c(y_t | s) = pi(y_t | s) * 1[y_t in A_t] / sum_{a in A_t} pi(a | s)``
+with ``A_t`` the allowed set at that step: a softmax over the allowed tokens' logits. The engine
+records ``A_t`` for every constrained token and stores ``log pi_c``; the learner recomputes every
+log-prob, entropy, ratio and KL of those tokens under the same ``A_t`` (``-inf`` logits outside), so
+the update is exactly that of the policy that played (docs/architecture.md, "Constrained action
+decoding"). With thinking on, the think part is free and the constraint starts after the model has
+written ``<answer>`` itself. Within ``max_new_tokens`` only answers that can still be closed in time
+are allowed, so a thinking-off answer is always valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ragen_core.errors import RagenError
+
+__all__ = [
+    "ActionGrammar",
+    "AnswerConstraint",
+    "ConstraintError",
+    "answer_spellings",
+]
+
+#: The text that opens the answer span (the forced prefix when thinking is off).
+ANSWER_OPEN = "<answer>"
+ANSWER_CLOSE = "</answer>"
+
+
+class ConstraintError(RagenError, ValueError):
+    """Constrained decoding cannot be built for this environment or tokenizer."""
+
+    user_error = True
+
+
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    #: what a path ending here spells completely: "action", "sep" or "close"
+    ends: set[str] = field(default_factory=set)
+
+
+def _trie(pieces: dict[str, list[list[int]]]) -> _Node:
+    root = _Node()
+    for kind, seqs in pieces.items():
+        for seq in seqs:
+            node = root
+            for tok in seq:
+                node = node.children.setdefault(tok, _Node())
+            node.ends.add(kind)
+    return root
+
+
+def answer_spellings(actions: Sequence[str], sep: str) -> dict[str, list[str]]:
+    """The texts of each piece of the grammar: actions, separator and closing tag, each with and
+    without a leading blank (what a chat model writes after ``<answer>`` or after ``||``)."""
+
+    def both(text: str) -> list[str]:
+        return [text, " " + text]
+
+    return {
+        "action": [s for a in actions for s in both(a.strip())],
+        "sep": both(sep.strip()),
+        "close": both(ANSWER_CLOSE),
+    }
+
+
+class ActionGrammar:
+    """The answer grammar of one action vocabulary, as token tries (see the module docstring).
+
+    A state is a frozenset of ``(trie, node, n_actions)`` paths; :meth:`allowed` is the union of the
+    tokens that continue any path, :meth:`advance` follows one token. Raises :class:`ConstraintError`
+    when the tokenizer cannot spell an action (an empty encoding or an unknown-token id), naming it.
+    """
+
+    def __init__(
+        self, tokenizer: Any, actions: Sequence[str], sep: str, max_actions: int, eos_id: int
+    ) -> None:
+        if not actions:
+            raise ConstraintError(
+                "agent.action_decoding=constrained needs an environment with a list of actions; this one has "
+                "none (free-text answers such as Countdown's expressions): set agent.action_decoding=free"
+            )
+        self.max_actions = int(max_actions)
+        self.eos_id = int(eos_id)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        texts = answer_spellings(actions, sep)
+        encoded: dict[str, list[list[int]]] = {}
+        for kind, spellings in texts.items():
+            seqs = []
+            for text in spellings:
+                ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+                if not ids or (unk is not None and unk in ids):
+                    raise ConstraintError(
+                        f"agent.action_decoding=constrained: the tokenizer cannot spell {text!r} "
+                        f"(encoded as {ids}); rename the action or use a tokenizer that covers it, or set "
+                        "agent.action_decoding=free"
+                    )
+                if ids not in seqs:
+                    seqs.append(ids)
+            encoded[kind] = seqs
+        self.spellings = encoded
+        self._action = _trie({"action": encoded["action"]})
+        self._sep_close = _trie({"sep": encoded["sep"], "close": encoded["close"]})
+        self._close = _trie({"close": encoded["close"]})
+        self._eos = _trie({"eos": [[self.eos_id]]})
+        self._cache: dict[frozenset[tuple[int, int, int]], tuple[int, ...]] = {}
+        self._to_end: dict[frozenset[tuple[int, int, int]], int] = {}
+        self._nodes: list[_Node] = []
+        self._ids: dict[int, int] = {}
+
+    # States hold node ids (not nodes) so that they hash and compare cheaply.
+    def _id(self, node: _Node) -> int:
+        key = id(node)
+        if key not in self._ids:
+            self._ids[key] = len(self._nodes)
+            self._nodes.append(node)
+        return self._ids[key]
+
+    def _root_after(self, n_actions: int) -> _Node:
+        """The trie after ``n_actions`` complete actions: a separator (if another action fits) or close."""
+        return self._sep_close if n_actions < self.max_actions else self._close
+
+    def start(self) -> frozenset[tuple[int, int, int]]:
+        """The state at the start of the answer span (just after ``<answer>``)."""
+        return frozenset({(self._id(self._action), self._id(self._action), 0)})
+
+    def allowed(self, state: frozenset[tuple[int, int, int]]) -> tuple[int, ...]:
+        """The sorted token ids that continue ``state`` (empty once the eos token has been read)."""
+        got = self._cache.get(state)
+        if got is None:
+            toks: set[int] = set()
+            for _, node, _ in state:
+                toks.update(self._nodes[node].children)
+            got = self._cache[state] = tuple(sorted(toks))
+        return got
+
+    def tokens_to_end(self, state: frozenset[tuple[int, int, int]]) -> int:
+        """The fewest tokens that finish an answer from ``state``, eos included (0 once it is read).
+        The automaton has no cycle (each separator leads to one more action, at most ``max_actions``)."""
+        got = self._to_end.get(state)
+        if got is None:
+            allowed = self.allowed(state)
+            got = 0 if not allowed else 1 + min(self.tokens_to_end(self.advance(state, t)) for t in allowed)
+            self._to_end[state] = got
+        return got
+
+    def advance(self, state: frozenset[tuple[int, int, int]], token: int) -> frozenset[tuple[int, int, int]]:
+        """The state after ``token`` (an empty state when ``token`` is not allowed)."""
+        out: set[tuple[int, int, int]] = set()
+        for trie, node, n in state:
+            child = self._nodes[node].children.get(token)
+            if child is None:
+                continue
+            if child.children:
+                out.add((trie, self._id(child), n))
+            for kind in child.ends:
+                if kind == "action":
+                    nxt = self._root_after(n + 1)
+                    out.add((self._id(nxt), self._id(nxt), n + 1))
+                elif kind == "sep":
+                    out.add((self._id(self._action), self._id(self._action), n))
+                elif kind == "close":
+                    out.add((self._id(self._eos), self._id(self._eos), n))
+        return frozenset(out)
+
+
+class AnswerConstraint:
+    """One sequence's constraint during generation: free until the answer span opens, then the grammar.
+
+    ``in_answer``: the prompt already ends with ``<answer>`` (thinking off: the forced prefix). With
+    thinking on, the generated text is watched (decoded, a few tokens at a time) for ``<answer>``.
+    ``budget``: the tokens this turn may generate (``max_new_tokens``); inside the answer only the tokens
+    after which the answer can still be finished within the budget are allowed, so that a long answer
+    is closed in time instead of being cut (an answer cut by the budget would be malformed).
+    :meth:`allowed` gives the allowed ids for the next token, or ``None`` when it is free.
+    """
+
+    def __init__(
+        self, grammar: ActionGrammar, tokenizer: Any, in_answer: bool, budget: int | None = None
+    ) -> None:
+        self.grammar = grammar
+        self.tokenizer = tokenizer
+        self.state = grammar.start() if in_answer else None
+        self.left = budget
+        self._tail: list[int] = []
+
+    def allowed(self) -> tuple[int, ...] | None:
+        if self.state is None:
+            return None
+        got = self.grammar.allowed(self.state)
+        if self.left is not None and got and self.grammar.tokens_to_end(self.state) <= self.left:
+            g = self.grammar
+            got = tuple(t for t in got if 1 + g.tokens_to_end(g.advance(self.state, t)) <= self.left)
+        return got or None  # after the eos token: nothing constrains (generation has stopped)
+
+    def advance(self, token: int) -> None:
+        if self.left is not None:
+            self.left -= 1
+        if self.state is not None:
+            self.state = self.grammar.advance(self.state, token)
+            return
+        self._tail = [*self._tail[-7:], int(token)]
+        if self.tokenizer.decode(self._tail, skip_special_tokens=False).endswith(ANSWER_OPEN):
+            self.state = self.grammar.start()

@@ -1,0 +1,74 @@
+"""The learnability probe: its figures, its verdict, and the preflight check that runs it (tiny policies;
+the real model's verdicts are tested in test_model_import.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from ragen_core.config import load_config
+from ragen_core.preflight import PreflightError, learnability_check
+from ragen_core.probe import MIN_VARIED_GROUPS, probe, varied_group_share
+
+# An untrained tiny policy (no warm start) on FrozenLake: it writes no valid answer.
+UNTRAINED = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=64",
+    "model.corpus_seeds=2",
+    "train.tags=[FrozenLake]",
+    "train.n_groups=[4]",
+    "train.group_size=4",
+    "val.tags=[FrozenLake]",
+    "agent.max_turn=2",
+    "agent.enable_think=false",
+    "rollout.max_new_tokens=8",
+    "learner.optim.mini_batch_size=4",
+    "learner.optim.micro_batch_size=4",
+    "sft=null",
+]
+
+
+def test_varied_group_share_is_one_minus_the_chance_that_a_group_scores_alike():
+    assert varied_group_share([0.0] * 10, 8) == 0.0
+    assert varied_group_share([0.0, 1.0], 2) == pytest.approx(1 - 2 * 0.5**2)
+    assert varied_group_share([0.0, 0.0, 0.0, 1.0], 8) == pytest.approx(1 - 0.75**8 - 0.25**8)
+    assert varied_group_share([], 8) == 0.0
+
+
+def test_an_untrained_policy_is_a_no_go_that_advises_constrained_decoding():
+    result = probe(load_config(None, UNTRAINED), groups=2)
+    m = result.metrics
+    assert not result.go and m["probe/go"] == 0.0
+    assert m["probe/valid_answer_share"] < 0.2 and m["probe/varied_group_share"] == 0.0
+    assert 0.0 <= m["probe/action_mass"] < 0.2
+    assert "RL has nothing to reinforce" in result.reason
+    assert any("agent.action_decoding=constrained" in a for a in result.advice)
+    assert result.lines()[0].startswith("NO-GO")
+
+
+def test_constrained_decoding_makes_every_answer_valid_and_the_groups_vary():
+    result = probe(load_config(None, [*UNTRAINED, "agent.action_decoding=constrained"]), groups=2)
+    m = result.metrics
+    assert m["probe/valid_answer_share"] == 1.0
+    assert result.go == (m["probe/varied_groups_per_iteration"] >= MIN_VARIED_GROUPS)
+    assert not any("constrained" in a for a in result.advice)
+
+
+def test_preflight_probe_warns_or_stops_as_the_config_asks(caplog):
+    with pytest.raises(
+        PreflightError, match=r"(?s)no-go \(trainer\.probe=error\).*RL has nothing to reinforce"
+    ):
+        learnability_check(load_config(None, [*UNTRAINED, "trainer.probe=error"]))
+    with caplog.at_level(logging.WARNING, logger="ragen.progress"):
+        learnability_check(load_config(None, UNTRAINED))  # warn: logs, does not raise
+    assert "learnability probe (trainer.probe=warn" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ragen.progress"):
+        learnability_check(load_config(None, [*UNTRAINED, "trainer.probe=off"]))
+        # a warm start changes the policy the probe would judge: never probed
+        learnability_check(load_config(None, [*UNTRAINED[:-1], "sft.tags=[FrozenLake]"]))
+    assert caplog.text == ""
