@@ -27,7 +27,13 @@ from flows.settings import configure_environment, deprioritise_ephemeral_server
 from ragen_core.config import RagenConfig
 from ragen_core.run_dir import RunDir
 from ragen_core.session import Session
-from ragen_core.stages import eval_due, finish_iteration, init_policy_stage, rollout_ahead
+from ragen_core.stages import (
+    eval_due,
+    finish_iteration,
+    init_policy_stage,
+    prune_optimizer_states,
+    rollout_ahead,
+)
 from ragen_core.training import Training, open_run
 from tasks.stages import (
     drop_session,
@@ -102,6 +108,7 @@ def run_iteration(run_root: str, k: int) -> dict[str, float]:
     if eval_due(cfg, k):
         metrics.update(evaluate_task(run_root, k)["metrics"])
     finish_iteration(run, k, metrics)
+    prune_optimizer_states(cfg, run, k)
     return metrics
 
 

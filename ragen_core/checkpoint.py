@@ -8,7 +8,9 @@ A checkpoint is a folder (``<run>/iter_K/checkpoint``) holding everything a lear
 - ``rng.pt``: torch, CUDA, numpy and Python RNG states;
 - ``manifest.json``: format, iteration, the model signature (what must match to load it), the
   learner config, the caller's ``extra``, the sha256 of every other file under ``files`` and its own
-  under ``manifest_sha256``.
+  under ``manifest_sha256``;
+- ``OPTIM_PRUNED``, only when :func:`prune_optimizer_state` removed ``optim.pt`` (a run's
+  ``trainer.keep_optimizer_states``): the weights stay readable, a learner cannot continue from it.
 
 :func:`write_checkpoint` writes into a temporary folder and renames it over the old one only once it
 is complete. :func:`read_checkpoint` reads and checks everything (digests, signature, shapes) before
@@ -44,14 +46,19 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
+#: The note that replaces a pruned ``optim.pt`` (see :func:`prune_optimizer_state`).
+OPTIM_PRUNED = "OPTIM_PRUNED"
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "MANIFEST",
+    "OPTIM_PRUNED",
     "CheckpointError",
     "LoadedCheckpoint",
     "load_into",
     "manifest_digest",
     "model_signature",
+    "prune_optimizer_state",
     "read_checkpoint",
     "set_rng_state",
     "verify_checkpoint",
@@ -206,6 +213,12 @@ def read_checkpoint(
     """
     path = Path(path)
     manifest = verify_checkpoint(path)
+    if (path / OPTIM_PRUNED).exists():
+        raise CheckpointError(
+            f"{path}: its optimiser state was pruned (trainer.keep_optimizer_states, {path / OPTIM_PRUNED}), "
+            "so a learner cannot continue from it; its policy weights remain (`ragen evaluate RUN@K`). "
+            "Resume or rerun from an iteration that kept its optimiser state"
+        )
     if manifest.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"{path}: checkpoint format {manifest.get('format')}, expected {CHECKPOINT_FORMAT}"
@@ -290,7 +303,10 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{manifest_file}: corrupt manifest: its content does not match its own "
             f"manifest_sha256, so {which} cannot be trusted. {fix}"
         )
+    pruned = (path / OPTIM_PRUNED).exists()
     for rel, expected in (manifest.get("files") or {}).items():
+        if pruned and rel == "optim.pt":
+            continue
         f = path / rel
         if not f.is_file():
             raise CheckpointError(
@@ -303,6 +319,22 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{manifest_file} when {which} was written. {fix}"
             )
     return manifest
+
+
+def prune_optimizer_state(path: str | os.PathLike[str], reason: str) -> bool:
+    """Remove a checkpoint's ``optim.pt`` (AdamW keeps two tensors per weight: twice the policy's size),
+    leaving ``OPTIM_PRUNED`` with ``reason``; the weights, the RNG states and the manifest stay, and
+    :func:`verify_checkpoint` still checks them. Returns whether anything was removed."""
+    path = Path(path)
+    optim = path / "optim.pt"
+    if not optim.exists():
+        return False
+    note = path / OPTIM_PRUNED
+    tmp = path / f".{OPTIM_PRUNED}.tmp-{os.getpid()}"
+    tmp.write_text(reason.rstrip() + "\n")
+    os.replace(tmp, note)  # the note first: a crash between the two leaves a loadable-looking folder never
+    optim.unlink()
+    return True
 
 
 def _checkpoint_repair(path: Path) -> str:

@@ -296,6 +296,13 @@ class TrainerConfig(BaseModel):
     rollout_cpus: float = Field(default=1, gt=0, description="CPUs of the rollout actor")
     rollout_gpus: float = Field(default=0, ge=0, description="GPUs of the rollout actor")
     rollout_threads: int | None = Field(default=None, ge=1, description="torch threads in the rollout worker")
+    keep_optimizer_states: int | None = Field(
+        default=None,
+        ge=2,
+        description="None: every iteration's checkpoint keeps its optimiser state; N: only the last N do "
+        "(AdamW's state is twice the weights: 1 GB an iteration for a 135M model), older ones keep their "
+        "weights (evaluate, logged models) but cannot be resumed or rerun from",
+    )
     probe: Literal["warn", "error", "off"] = Field(
         default="warn",
         description="before a new run without a warm start, the learnability check of `ragen probe` on the "
@@ -355,6 +362,12 @@ class RagenConfig(BaseModel):
             problems += tag_problems(self.sft.tags, "sft.tags")
         problems += _model_shape_problems(self.model)
         problems += _action_decoding_problems(self)
+        if self.trainer.keep_optimizer_states is not None and self.monitor.action == "rollback":
+            problems.append(
+                f"trainer.keep_optimizer_states={self.trainer.keep_optimizer_states} prunes the optimiser "
+                "states a monitor.action=rollback may need; use monitor.action=stop (or none), or "
+                "trainer.keep_optimizer_states=null"
+            )
         if problems:
             raise ValueError("\n  ".join(problems))
         g, f, algo = self.train, self.rollout.filter, self.learner.algorithm

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,40 @@ def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
     return problems
 
 
+def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
+    """With constrained action decoding, the policy's tokenizer must spell every action of the train and
+    validation envs (``ActionGrammar`` refuses one it cannot). A tiny model's tokenizer is trained in the
+    run, so only a saved or imported model's (or ``tokenizer``) is checked here."""
+    if cfg.agent.action_decoding != "constrained":
+        return []
+    if tokenizer is None:
+        if cfg.model.builds_tiny:
+            return []
+        from ragen_core.models import ModelNotFoundError, load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(cfg.model.source())
+        except (ModelNotFoundError, OSError, ValueError):
+            return []  # reported by the model check
+    import envs
+    from ragen_core.rollout.constrained import ActionGrammar, ConstraintError
+
+    problems: list[str] = []
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+    for groups in (cfg.train, cfg.val):
+        for tag in groups.tags:
+            actions = envs.make(tag, **groups.env_overrides.get(tag, {})).actions
+            try:
+                ActionGrammar(
+                    tokenizer, actions or [], cfg.agent.action_sep, cfg.agent.max_actions_per_turn, eos
+                )
+            except ConstraintError as exc:
+                message = f"{tag}: {exc}"
+                if message not in problems:
+                    problems.append(message)
+    return problems
+
+
 def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
     import shutil
@@ -71,6 +106,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
             cfg.model.source()
         except ModelNotFoundError as exc:
             problems.append(str(exc))
+    problems += spelling_problems(cfg)
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and cfg.trainer.backend == "ray":
         problems += _local_cluster_problems(cfg)
@@ -119,7 +155,7 @@ def learnability_check(cfg: RagenConfig) -> None:
 
     from ragen_core.probe import probe
 
-    result = probe(cfg)
+    result = probe(cfg, groups=min(4, cfg.train.num_groups))  # never more than an iteration plays
     log = logging.getLogger("ragen.progress")
     if result.go:
         log.info("learnability probe: %s", result.lines()[0])

@@ -6,7 +6,7 @@ iterations and learns nothing. :func:`probe` plays a few groups of the config's 
 with the config's own sampling and decoding and measures (docs/metrics.md, "Learnability probe"):
 
 - ``probe/valid_answer_share``: the share of played turns whose answer parsed to valid actions;
-- ``probe/action_mass``: the mean probability, over the first turns' prompts, that the policy
+- ``probe/action_mass``: the mean probability, over (at most 4 of) the first turns' prompts, that the policy
   (free decoding, temperature 1) writes a valid action right after the answer tag: the sum over the
   grammar's action spellings of the product of their tokens' probabilities (free-text environments: none);
 - ``probe/varied_group_share``: the share of the played groups (at the config's ``train.group_size``)
@@ -87,16 +87,19 @@ def varied_group_share(scores: Sequence[float], group_size: int) -> float:
 
 
 @torch.no_grad()
-def action_mass(
-    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], spellings: Sequence[Sequence[int]]
-) -> float:
+def action_mass(model: Any, prompts: Sequence[Sequence[int]], spellings: Sequence[Sequence[int]]) -> float:
     """Mean over ``prompts`` of ``sum_s prod_t pi(s_t | prompt, s_<t)`` over the action spellings ``s``
-    (token ids): the probability that free decoding starts the answer with a valid action."""
+    (token ids): the probability that free decoding starts the answer with a valid action. One forward
+    pass per prompt scores every one-token spelling; a longer spelling gets a pass of its own."""
     model.eval()
     total = 0.0
     for prompt in prompts:
+        last = torch.log_softmax(model(input_ids=torch.tensor([list(prompt)])).logits[0, -1].float(), -1)
         mass = 0.0
         for spelling in spellings:
+            if len(spelling) == 1:
+                mass += math.exp(float(last[spelling[0]]))
+                continue
             ids = torch.tensor([list(prompt) + list(spelling)])
             logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
             mass += math.exp(float(logp.gather(-1, torch.tensor(list(spelling))[:, None]).sum()))
@@ -168,7 +171,7 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
         eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         grammar = ActionGrammar(tokenizer, actions, cfg.agent.action_sep, cfg.agent.max_actions_per_turn, eos)
         first = {tuple(seg.encode(seg.head(env_groups.messages(i, True)))) for i in env_groups.env_ids}
-        mass = action_mass(model, tokenizer, sorted(first)[:8], grammar.spellings["action"])
+        mass = action_mass(model, sorted(first)[:4], grammar.spellings["action"])
 
     metrics = {
         "probe/valid_answer_share": valid,

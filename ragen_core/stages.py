@@ -360,6 +360,19 @@ def eval_due(cfg: RagenConfig, step: int) -> bool:
     return step == t.iterations or (t.eval_every > 0 and step % t.eval_every == 0)
 
 
+def prune_optimizer_states(cfg: RagenConfig, run: RunDir, k: int) -> list[int]:
+    """``trainer.keep_optimizer_states = N``: once iteration ``k`` is done, the checkpoints of iterations
+    ``<= k - N`` lose their optimiser state (their weights stay). The next iteration's learn stage reads
+    only iteration ``k``'s; returns the iterations pruned now."""
+    from ragen_core.checkpoint import prune_optimizer_state
+
+    keep = cfg.trainer.keep_optimizer_states
+    if keep is None:
+        return []
+    reason = f"pruned after iteration {k} (trainer.keep_optimizer_states={keep})"
+    return [j for j in range(1, k - keep + 1) if prune_optimizer_state(run.checkpoint(j), reason)]
+
+
 def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:
     atomic_write_text(run.metrics_file(k), json.dumps(dict(metrics), indent=1, sort_keys=True))
     # The empty mark carries no data to corrupt: one SHA256SUMS rewrite (and fsync) less per iteration.

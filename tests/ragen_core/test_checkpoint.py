@@ -229,3 +229,37 @@ def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path
     ):
         learner.save_checkpoint(tmp_path / "ckpt", iteration=1)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pruned_optimizer_states_keep_the_weights_and_refuse_a_learner(tmp_path):
+    """trainer.keep_optimizer_states=2 after iteration 4 of a run: iterations 1-2 lose optim.pt (and say
+    why), 3-4 keep it; a pruned checkpoint still verifies (its weights are evaluated), a learner cannot
+    load it, and damage to its weights is still caught."""
+    from ragen_core.checkpoint import OPTIM_PRUNED, verify_checkpoint
+    from ragen_core.config import ConfigError, load_config
+    from ragen_core.run_dir import RunDir
+    from ragen_core.stages import prune_optimizer_states
+
+    run = RunDir(tmp_path / "run")
+    learner = Learner(tiny_policy(), make_cfg())
+    for k in range(1, 5):
+        learner.save_checkpoint(run.checkpoint(k), iteration=k)
+    cfg = load_config(None, ["trainer.keep_optimizer_states=2"])
+    assert prune_optimizer_states(cfg, run, 4) == [1, 2]
+    assert prune_optimizer_states(cfg, run, 4) == []  # already done
+    assert prune_optimizer_states(load_config(None, []), run, 4) == []  # default: keep every one
+    for k in (1, 2):
+        ckpt = run.checkpoint(k)
+        assert (
+            not (ckpt / "optim.pt").exists()
+            and "keep_optimizer_states=2" in (ckpt / OPTIM_PRUNED).read_text()
+        )
+        verify_checkpoint(ckpt)
+        with pytest.raises(CheckpointError, match=r"optimiser state was pruned.*ragen evaluate RUN@K"):
+            Learner(tiny_policy(), make_cfg()).load_checkpoint(ckpt)
+    Learner(tiny_policy(), make_cfg()).load_checkpoint(run.checkpoint(3))
+    _xor(run.checkpoint(1) / "policy" / "model.safetensors", 4096, 16)
+    with pytest.raises(CheckpointError, match="corrupt file"):
+        verify_checkpoint(run.checkpoint(1))
+    with pytest.raises(ConfigError, match=r"keep_optimizer_states=2 prunes .*monitor\.action=rollback"):
+        load_config(None, ["trainer.keep_optimizer_states=2", "monitor.action=rollback"])

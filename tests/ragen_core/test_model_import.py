@@ -531,6 +531,7 @@ def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported):
         "learner.optim.mini_batch_size=4",
         "learner.optim.micro_batch_size=4",
         "learner.optim.old_logprobs_from_update=false",
+        "trainer.val_before_train=false",
         f"trainer.run_root={state / 'runs'}",
     ]
     args = ["train", str(ROOT / "configs" / "frozenlake-smollm2.yaml"), "--name", "fl"]

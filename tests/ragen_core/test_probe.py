@@ -72,3 +72,26 @@ def test_preflight_probe_warns_or_stops_as_the_config_asks(caplog):
         # a warm start changes the policy the probe would judge: never probed
         learnability_check(load_config(None, [*UNTRAINED[:-1], "sft.tags=[FrozenLake]"]))
     assert caplog.text == ""
+
+
+def test_preflight_names_an_action_the_tokenizer_cannot_spell():
+    from ragen_core.preflight import spelling_problems
+
+    class NoRight:
+        """A tokenizer without the letters of 'Right' (its encoding is the unknown token)."""
+
+        unk_token_id = 0
+        eos_token = "<|im_end|>"
+
+        def convert_tokens_to_ids(self, token):
+            return 1
+
+        def encode(self, text, add_special_tokens=False):
+            return [0] if "Right" in text else [5 + len(text)]
+
+    cfg = load_config(None, [*UNTRAINED, "agent.action_decoding=constrained"])
+    (problem,) = spelling_problems(cfg, NoRight())
+    assert problem.startswith(
+        "FrozenLake: agent.action_decoding=constrained: the tokenizer cannot spell 'Right'"
+    )
+    assert spelling_problems(load_config(None, UNTRAINED), NoRight()) == []  # free decoding: no check
