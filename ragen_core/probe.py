@@ -73,6 +73,11 @@ class ProbeResult:
             f"  success / score      {m['probe/success']:.3f} / {m['probe/score_mean']:.3f}",
         ]
         out += [f"  try: {a}" for a in self.advice]
+        if self.go and m["probe/success"] == 0.0:
+            out.append(
+                "  caution: no episode succeeded; the rewards differ by the environment's step rewards alone "
+                "(e.g. Sokoban's -0.1 a move), which RL can learn without learning the task"
+            )
         return out
 
 

@@ -95,3 +95,25 @@ def test_preflight_names_an_action_the_tokenizer_cannot_spell():
         "FrozenLake: agent.action_decoding=constrained: the tokenizer cannot spell 'Right'"
     )
     assert spelling_problems(load_config(None, UNTRAINED), NoRight()) == []  # free decoding: no check
+
+
+def test_a_go_without_any_success_says_the_rewards_differ_by_step_rewards_alone():
+    from ragen_core.probe import ProbeResult
+
+    metrics = {
+        "probe/valid_answer_share": 1.0,
+        "probe/turns": 48.0,
+        "probe/varied_group_share": 0.75,
+        "probe/varied_group_share_pooled": 0.56,
+        "probe/groups": 4.0,
+        "probe/group_size": 4.0,
+        "probe/varied_groups_per_iteration": 12.0,
+        "probe/n_groups": 16.0,
+        "probe/success": 0.0,
+        "probe/score_mean": -0.8,
+    }
+    assert any(
+        line.startswith("  caution: no episode succeeded") for line in ProbeResult(metrics, True, "r").lines()
+    )
+    metrics["probe/success"] = 0.1
+    assert not any("caution" in line for line in ProbeResult(metrics, True, "r").lines())
