@@ -415,11 +415,14 @@ class FrozenLakeEnv(Env):
         map_seed: int | None = None,
         desc: Sequence[str] | None = None,
         think_holes: bool = False,
+        coordinates: bool = False,
     ) -> None:
         """``map_seed`` fixes the map for every episode (``reset(seed)`` then only drives the slips);
         ``desc`` (rows of ``S``/``F``/``H``/``G``, exactly one ``S``) fixes a hand-made map. By default the
         map comes from the episode seed, as in RAGEN. ``think_holes`` adds the holes next to the player
-        to the demonstrations' think text (:meth:`think_text`)."""
+        to the demonstrations' think text (:meth:`think_text`). ``coordinates`` adds the board's size and the
+        goal's, the player's and the holes' (row, column) under the grid, as RAGEN's grid-plus-coordinates
+        observation does: a small language model reads a position more easily than a 2-D layout."""
         if desc is not None:
             desc = [str(row) for row in desc]
             if len({len(row) for row in desc}) != 1 or "".join(desc).count("S") != 1:
@@ -433,6 +436,7 @@ class FrozenLakeEnv(Env):
         self.is_slippery = is_slippery
         self.map_seed = map_seed
         self.think_holes = think_holes
+        self.coordinates = coordinates
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)
@@ -520,13 +524,35 @@ class FrozenLakeEnv(Env):
             "action_is_valid": True,
             "action_is_effective": state != prev,
         }
-        return StepResult(data.render(state), reward, data.terminal[state], info)
+        return StepResult(self._observation(data, state), reward, data.terminal[state], info)
 
     def render(self) -> str:
         """Grid text: ``P``/``X``/``√`` for the player, ``_`` frozen (start too), ``O`` hole, ``G`` goal."""
         if self._data is None:
             raise RuntimeError("FrozenLakeEnv.render() before reset(seed)")
-        return self._data.render(self.state)
+        return self._observation(self._data, self.state)
+
+    def _observation(self, data: _MapData, state: int) -> str:
+        """The grid, and with ``coordinates`` the positions under it (zero-indexed (row, column))."""
+        grid = data.render(state)
+        if not self.coordinates:
+            return grid
+        ncol = data.ncol
+
+        def cells(indices: Sequence[int]) -> str:
+            return ", ".join(f"({i // ncol}, {i % ncol})" for i in indices)
+
+        tile = data.flat[state]
+        player = {"G": "Player on goal", "H": "Player in hole"}.get(tile, "Player")
+        holes = [i for i, ch in enumerate(data.flat) if ch == "H"]
+        lines = [
+            f"Board size: {len(data.desc)} rows x {ncol} cols (zero-indexed).",
+            f"Goal: {cells(sorted(data.goal_states))}",
+            f"{player}: {cells([state])}",
+        ]
+        if holes:
+            lines.append(f"Holes: {cells(holes)}")
+        return grid + "\n" + "\n".join(lines)
 
     @property
     def done(self) -> bool:

