@@ -497,11 +497,11 @@ def test_the_probe_says_no_go_for_free_decoding_on_frozenlake_and_go_for_the_ban
     from tests.flows.test_train import ROOT, ragen
 
     state = Path(imported[0].path).parents[1]
-    free = ragen(["probe", str(ROOT / "configs" / "frozenlake-smollm2-free.yaml"), "--groups", "2"], state)
+    free = ragen(["probe", str(ROOT / "configs" / "frozenlake-smollm2-free.yaml"), "--groups", "1"], state)
     assert free.returncode == 3, free.stdout[-2000:] + free.stderr[-2000:]
     assert "NO-GO: only 0.0% of the answers are valid" in free.stdout
     assert "try: --set agent.action_decoding=constrained" in free.stdout
-    bandit = ragen(["probe", str(ROOT / "configs" / "bandit-smollm2.yaml"), "--groups", "2"], state)
+    bandit = ragen(["probe", str(ROOT / "configs" / "bandit-smollm2.yaml"), "--groups", "1"], state)
     assert bandit.returncode == 0 and bandit.stdout.startswith("GO:"), (
         bandit.stdout[-2000:] + bandit.stderr[-2000:]
     )
