@@ -82,7 +82,7 @@ def main() -> None:
     prompts = [seg.encode(seg.head(groups.messages(i, True))) for i in groups.env_ids]
     actions = groups.env(groups.env_ids[0]).actions or []
     eos = tok.convert_tokens_to_ids(tok.eos_token)
-    grammar = ActionGrammar(tok, actions, cfg.agent.action_sep, cfg.agent.max_actions_per_turn, eos)
+    grammar = ActionGrammar.for_protocol(tok, actions, cfg.agent)
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
 

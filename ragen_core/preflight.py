@@ -67,14 +67,11 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
     from ragen_core.rollout.constrained import ActionGrammar, ConstraintError
 
     problems: list[str] = []
-    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
     for groups in (cfg.train, cfg.val):
         for tag in groups.tags:
             actions = envs.make(tag, **groups.env_overrides.get(tag, {})).actions
             try:
-                ActionGrammar(
-                    tokenizer, actions or [], cfg.agent.action_sep, cfg.agent.max_actions_per_turn, eos
-                )
+                ActionGrammar.for_protocol(tokenizer, actions or [], cfg.agent)
             except ConstraintError as exc:
                 message = f"{tag}: {exc}"
                 if message not in problems:

@@ -150,9 +150,8 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     t0 = time.perf_counter()
     model, tokenizer = policy_from_config(cfg.model)
     g = cfg.train
-    tags = g.tags[:1] if len(g.tags) == 1 else g.tags
-    per_tag = max(1, groups // len(tags))
-    probe_groups = g.model_copy(update={"tags": tags, "n_groups": [per_tag] * len(tags)})
+    per_tag = max(1, groups // len(g.tags))
+    probe_groups = g.model_copy(update={"n_groups": [per_tag] * len(g.tags)})
     env_groups = EnvGroups(probe_groups, cfg.agent)
     engine = HFEngine(model, tokenizer, max_model_len=cfg.rollout.max_model_len)
     params = SamplingParams(**sampling_params(cfg, "train"))
@@ -173,8 +172,7 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
         seg = Segments(
             tokenizer, forced_prefix(cfg.agent) + ("</think><answer>" if cfg.agent.enable_think else "")
         )
-        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-        grammar = ActionGrammar(tokenizer, actions, cfg.agent.action_sep, cfg.agent.max_actions_per_turn, eos)
+        grammar = ActionGrammar.for_protocol(tokenizer, actions, cfg.agent)
         first = {tuple(seg.encode(seg.head(env_groups.messages(i, True)))) for i in env_groups.env_ids}
         mass = action_mass(model, sorted(first)[:4], grammar.spellings["action"])
 

@@ -126,6 +126,13 @@ class ActionGrammar:
         self._nodes: list[_Node] = []
         self._ids: dict[int, int] = {}
 
+    @classmethod
+    def for_protocol(cls, tokenizer: Any, actions: Sequence[str], protocol: Any) -> ActionGrammar:
+        """The grammar of ``actions`` under an agent protocol (its separator and actions per turn), ending
+        with the tokenizer's end-of-turn token: what the runner, the probe and preflight all build."""
+        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
+        return cls(tokenizer, actions, protocol.action_sep, protocol.max_actions_per_turn, eos)
+
     # States hold node ids (not nodes) so that they hash and compare cheaply.
     def _id(self, node: _Node) -> int:
         key = id(node)

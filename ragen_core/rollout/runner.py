@@ -222,9 +222,7 @@ def run_rollouts(
     def constraint(env_id: int) -> AnswerConstraint:
         actions = tuple(groups.env(env_id).actions or ())
         if actions not in grammars:
-            grammars[actions] = ActionGrammar(
-                tokenizer, actions, protocol.action_sep, protocol.max_actions_per_turn, seg.eos_id
-            )
+            grammars[actions] = ActionGrammar.for_protocol(tokenizer, actions, protocol)
         return AnswerConstraint(
             grammars[actions], tokenizer, in_answer=not protocol.enable_think, budget=params.max_new_tokens
         )
