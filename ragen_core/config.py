@@ -92,30 +92,40 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
     return problems
 
 
+def played_actions(cfg: RagenConfig) -> list[tuple[str, str, list[str] | None]]:
+    """``(key, tag, actions)`` for every train and validation tag: the action names its env (with the
+    config's overrides) offers, None for free-text answers; a tag whose env cannot be built is left out
+    (it is reported where it is played)."""
+    import envs
+
+    out = []
+    for key, groups in (("train.tags", cfg.train), ("val.tags", cfg.val)):
+        for tag in groups.tags:
+            try:
+                actions = envs.make(tag, **groups.env_overrides.get(tag, {})).actions
+            except Exception:
+                continue
+            out.append((key, tag, actions))
+    return out
+
+
 def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
     """Constrained decoding needs an engine that implements it and environments with a list of actions."""
     if cfg.agent.action_decoding != "constrained":
         return []
-    import envs
-
     problems = []
     if cfg.rollout.engine != "hf":
         problems.append(
             f"agent.action_decoding=constrained is implemented by the hf rollout engine, not by "
             f"rollout.engine={cfg.rollout.engine}; set rollout.engine=hf or agent.action_decoding=free"
         )
-    for key, groups in (("train.tags", cfg.train), ("val.tags", cfg.val)):
-        for tag in groups.tags:
-            try:
-                free_text = envs.make(tag, **groups.env_overrides.get(tag, {})).actions is None
-            except Exception:
-                continue
-            if free_text:
-                problems.append(
-                    f"{key}: {tag} has free-text answers (no list of actions), so agent.action_decoding="
-                    "constrained has nothing to spell; set agent.action_decoding=free or train on an "
-                    "environment with actions (Bandit, FrozenLake, Sokoban)"
-                )
+    for key, tag, actions in played_actions(cfg):
+        if actions is None:
+            problems.append(
+                f"{key}: {tag} has free-text answers (no list of actions), so agent.action_decoding="
+                "constrained has nothing to spell; set agent.action_decoding=free or train on an "
+                "environment with actions (Bandit, FrozenLake, Sokoban)"
+            )
     return problems
 
 

@@ -63,19 +63,17 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
             tokenizer = load_tokenizer(cfg.model.source())
         except (ModelNotFoundError, OSError, ValueError):
             return []  # reported by the model check
-    import envs
+    from ragen_core.config import played_actions
     from ragen_core.rollout.constrained import ActionGrammar, ConstraintError
 
     problems: list[str] = []
-    for groups in (cfg.train, cfg.val):
-        for tag in groups.tags:
-            actions = envs.make(tag, **groups.env_overrides.get(tag, {})).actions
-            try:
-                ActionGrammar.for_protocol(tokenizer, actions or [], cfg.agent)
-            except ConstraintError as exc:
-                message = f"{tag}: {exc}"
-                if message not in problems:
-                    problems.append(message)
+    for _, tag, actions in played_actions(cfg):
+        try:
+            ActionGrammar.for_protocol(tokenizer, actions or [], cfg.agent)
+        except ConstraintError as exc:
+            message = f"{tag}: {exc}"
+            if message not in problems:
+                problems.append(message)
     return problems
 
 
