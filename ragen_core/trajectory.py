@@ -322,6 +322,7 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
     length = max((len(r) for r in ids), default=0)
     lengths = torch.tensor([len(r) for r in ids], dtype=torch.int64)
     attention = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    infos = _info(cols)  # parsed once: the turn scores and the allowed ids both read it
     return TokenBatch(
         input_ids=_pad(ids, length, torch.int64),
         attention_mask=attention,
@@ -330,9 +331,9 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
         rollout_logprobs=_pad(cols["rollout_logprobs"], length, torch.float32),
         scores=torch.tensor(cols["score"], dtype=torch.float32),
         group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
-        turn_scores=_turn_scores(cols) if "turn_rewards" in cols else None,
+        turn_scores=_turn_scores(cols["turn_rewards"], infos) if "turn_rewards" in cols else None,
         env_tags=tuple(cols["env_tag"]) if "env_tag" in cols else None,
-        allowed_token_ids=_allowed_token_ids(cols, length),
+        allowed_token_ids=_allowed_token_ids(infos, length),
     )
 
 
@@ -341,10 +342,10 @@ def _info(cols: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [json.loads(i) if isinstance(i, str) and i else (i or {}) for i in infos]
 
 
-def _allowed_token_ids(cols: Mapping[str, Sequence[Any]], length: int) -> torch.Tensor | None:
+def _allowed_token_ids(infos: Sequence[dict[str, Any]], length: int) -> torch.Tensor | None:
     """The constrained tokens' allowed ids (``info["allowed_token_ids"]``: ``[position, ids]`` pairs) as
     a ``(B, length, K)`` tensor padded with -1; None when no row has any (free decoding)."""
-    rows = [meta.get("allowed_token_ids") or [] for meta in _info(cols)]
+    rows = [meta.get("allowed_token_ids") or [] for meta in infos]
     width = max((len(ids) for row in rows for _, ids in row), default=0)
     if width == 0:
         return None
@@ -355,11 +356,11 @@ def _allowed_token_ids(cols: Mapping[str, Sequence[Any]], length: int) -> torch.
     return out
 
 
-def _turn_scores(cols: Mapping[str, Sequence[Any]]) -> torch.Tensor:
+def _turn_scores(turn_rewards: Sequence[Sequence[float]], infos: Sequence[dict[str, Any]]) -> torch.Tensor:
     """Per trained turn: its env reward plus its format penalty (turns outside the context window
     were not trained and are left out)."""
     rows = []
-    for rewards, meta in zip(cols["turn_rewards"], _info(cols), strict=True):
+    for rewards, meta in zip(turn_rewards, infos, strict=True):
         penalties = meta.get("turn_penalties") or [0.0] * len(rewards)
         first = int(meta.get("first_trained_turn", 0))
         rows.append([r + p for r, p in zip(rewards, penalties, strict=True)][first:])
