@@ -312,6 +312,8 @@ class Learner:
     def _autocast(self) -> torch.autocast | nullcontext[None]:
         if self.device.type == "cuda" and self.cfg.bf16_autocast_on_gpu:
             return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.device.type == "cpu" and self.cfg.bf16_autocast_on_cpu:
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return nullcontext()
 
     @contextmanager

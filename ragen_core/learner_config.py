@@ -243,4 +243,9 @@ class LearnerConfig(BaseModel):
     bf16_autocast_on_gpu: bool = Field(
         default=True, description="bf16 autocast for forward passes on GPU (weights stay fp32)"
     )
+    bf16_autocast_on_cpu: bool = Field(
+        default=False,
+        description="bf16 autocast for forward passes on CPU (weights stay fp32): faster on CPUs with "
+        "AVX512-BF16 or AMX, emulated and slower elsewhere (benchmarks/bf16.py measures both)",
+    )
     seed: int = Field(default=0, description="seeds the critic head's initialisation and the shuffle")

@@ -195,6 +195,23 @@ def test_logprobs_and_entropy_match_full_logits():
     assert bool((logp[:, 1:][~on] == 0).all()) and bool((logp[:, 0] == 0).all())
 
 
+def test_bf16_autocast_on_cpu_is_opt_in_and_close_to_float32():
+    """``bf16_autocast_on_cpu`` runs the forward passes in bf16 (weights stay fp32): off by default,
+    and when on the log-probs move by bf16 rounding, not more."""
+    batch = random_batch(4, seed=5)
+    mask = batch.loss_mask != 0
+    fp32 = Learner(tiny_policy(), make_cfg(adv_estimator="grpo"))
+    bf16_cfg = make_cfg(adv_estimator="grpo").model_copy(update={"bf16_autocast_on_cpu": True})
+    bf16 = Learner(tiny_policy(), bf16_cfg)
+    with torch.no_grad():
+        ref, _ = fp32._logprobs(fp32.policy, batch.input_ids, mask)
+        low, _ = bf16._logprobs(bf16.policy, batch.input_ids, mask)
+    gap = float((ref - low).abs().max())
+    assert 0 < gap < 0.05
+    assert low.dtype == torch.float32 and next(bf16.policy.parameters()).dtype == torch.float32
+    assert math.isfinite(bf16.step(batch)["actor/grad_norm"])
+
+
 def test_step_metrics_have_ragen_names():
     cfg = make_cfg(use_kl_loss=True, kl_loss_coef=0.01)
     metrics = Learner(tiny_policy(), cfg).step(random_batch(8))
