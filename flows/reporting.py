@@ -96,7 +96,7 @@ class PrefectObserver:
     """Shows a training loop in Prefect: a progress artifact updated after every iteration (its
     description is the iteration line), and each Echo-Trap signal as an event
     ``ragen.echo-trap.<signal>`` about the run, related to the flow run, which an automation can
-    react to (pause, cancel, notify: README, "Reacting to Echo-Trap signals").
+    react to (pause, cancel, notify: docs/runs.md, "What a run shows in Prefect").
 
     The artifact is created on the caller's thread (Prefect links it to the flow run from the run
     context), and later updates go to the server from a worker thread: an update is an API round trip

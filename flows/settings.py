@@ -108,7 +108,7 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
     defaults = {
         "PREFECT_HOME": str(state / "prefect"),
         "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "results"),
-        # No telemetry and no notice about it (README): DO_NOT_TRACK is the cross-tool opt-out that
+        # No telemetry and no notice about it: DO_NOT_TRACK is the cross-tool opt-out that
         # Prefect's client reads ("1"; without it an interactive terminal gets Prefect's telemetry
         # notice), the server's analytics have their own switch, and MLflow reads DO_NOT_TRACK only
         # when it is "true", hence MLFLOW_DISABLE_TELEMETRY as well.

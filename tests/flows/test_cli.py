@@ -219,7 +219,7 @@ def test_bad_file_exits_1_naming_the_file(handmade, tmp_path, kind):
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
-# ------------------------------------------------------------------ issue 21: CLI polish
+# ------------------------------------------------------------------ CLI polish: help, show, per-tag success
 def _commands(command, path: tuple[str, ...] = ()):
     """(path, click command) of the app and every command and sub-command under it."""
     yield path, command
@@ -251,7 +251,7 @@ def test_console_script_version():
 
 
 def test_every_option_has_help_and_lists_its_choices():
-    """Issue 21: --backend, --stage and --engine did not list their choices; some options had no help."""
+    """--backend, --stage and --engine once did not list their choices; some options had no help."""
     import typer
 
     choices_seen = {}
@@ -299,7 +299,7 @@ def marks(output: str) -> dict[int, str]:
     ["{id}", "{dir}", "{id}/iter_0002", "{id}/iter_2", "{dir}/iter_0002", "{dir}/iter_0002/rollouts.parquet"],
 )
 def test_show_a_run_or_iteration_marks_the_filter_decisions(stored_run, target):
-    """Issue 21: `ragen show RUN_ID` and `ragen show RUN/iter_0002` were not understood; the filter's
+    """`ragen show RUN_ID` and `ragen show RUN/iter_0002` were once not understood; the filter's
     decisions were nowhere to be seen."""
     state, run = stored_run
     result = invoke_in(state, "show", target.format(id=run.name, dir=run), "--limit", "4")
@@ -329,7 +329,8 @@ def test_show_an_iteration_without_filter_and_the_summary_counts(stored_run):
 
 
 def test_show_says_what_success_means(stored_run, tmp_path):
-    """Issue 21: a Bandit answer with reward +0.00 showed SUCCESS next to one with +0.10 FAILED."""
+    """A Bandit answer with reward +0.00 once showed SUCCESS next to one with +0.10 FAILED, with no word
+    on what success means."""
     state, run = stored_run
     out = invoke_in(state, "show", run.name, "--limit", "0").output
     assert "success on SimpleSokoban: every box is on a target within the action budget." in out
@@ -362,7 +363,7 @@ def test_show_of_nothing_says_what_to_pass(stored_run, target, needles):
 
 
 def test_configure_environment_turns_telemetry_off_without_overriding_the_user(tmp_path):
-    """Issue 21: Prefect's telemetry notice was printed although the README promises no telemetry."""
+    """Prefect's telemetry notice was once printed although ragen-flow turns telemetry off."""
     from tests.process_env import child_env
 
     probe = (
@@ -406,7 +407,7 @@ def test_configure_environment_turns_telemetry_off_without_overriding_the_user(t
 
 
 def test_train_prints_validation_success_per_tag_never_averaged():
-    """Issue 21: success is reported per tag; a training tag is never averaged with a held-out one."""
+    """Success is reported per tag; a training tag is never averaged with a held-out one."""
     step = {"val-env/success": 0.5, "val-env/Bandit/success": 0.75, "val-env/BanditTest/success": 0.25}
     assert success_per_tag(step, ["Bandit"], ["Bandit", "BanditTest"]) == {
         "Bandit": 0.75,

@@ -93,7 +93,7 @@ def test_evaluate_plays_tags_with_different_budgets_on_one_model(
 def test_a_run_defaults_to_its_validation_tags_a_model_to_simple_sokoban(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 21: `evaluate --tags` defaulted to SimpleSokoban whatever the run trained on."""
+    """`evaluate --tags` once defaulted to SimpleSokoban whatever the run trained on."""
     from ragen_core.config import dump_config, load_config
     from ragen_core.run_dir import RunDir
 

@@ -1,4 +1,4 @@
-"""What a run shows in Prefect beyond its logs: artifact keys, and the README's automation reacting to an
+"""What a run shows in Prefect beyond its logs: artifact keys, and docs/runs.md's automation reacting to an
 Echo-Trap event on a real Prefect server (the training flow's own artifacts and events are checked on
 real runs in tests/flows/test_train.py)."""
 
@@ -15,7 +15,7 @@ from flows.reporting import ECHO_TRAP_EVENT, artifact_key
 #: a real Prefect server (started once per test process): `make test` runs it, `make test-fast` does not
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RUNS_DOC = Path(__file__).resolve().parents[2] / "docs" / "runs.md"
 
 
 def test_artifact_keys_are_what_prefect_accepts() -> None:
@@ -25,7 +25,7 @@ def test_artifact_keys_are_what_prefect_accepts() -> None:
     )
 
 
-def test_the_readme_automation_cancels_the_flow_run_an_echo_trap_event_is_related_to(
+def test_the_documented_automation_cancels_the_flow_run_an_echo_trap_event_is_related_to(
     prefect_server: str,
 ) -> None:
     from prefect import flow
@@ -35,8 +35,8 @@ def test_the_readme_automation_cancels_the_flow_run_an_echo_trap_event_is_relate
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Running
 
-    code = re.search(r"### What a run shows in Prefect.*?```python\n(.*?)```", README.read_text(), re.S)
-    assert code, "README: no automation example"
+    code = re.search(r"### What a run shows in Prefect.*?```python\n(.*?)```", RUNS_DOC.read_text(), re.S)
+    assert code, "docs/runs.md: no automation example"
 
     @flow(name="echo-trap-victim")
     def victim() -> None:
@@ -44,7 +44,7 @@ def test_the_readme_automation_cancels_the_flow_run_an_echo_trap_event_is_relate
 
     with temporary_settings(updates={PREFECT_API_URL: prefect_server}):
         namespace: dict = {}
-        exec(code.group(1), namespace)  # the README's own code creates the automation
+        exec(code.group(1), namespace)  # the documented code itself creates the automation
         from prefect.automations import Automation
 
         automation = Automation.read(name="ragen-cancel-on-echo-trap")

@@ -162,7 +162,7 @@ def test_yaml_round_trip_and_hash(tmp_path: Path) -> None:
     ],
 )
 def test_tags_and_model_shapes_are_checked_at_load(override: str, message: str) -> None:
-    """Issue 18 (9): these failed only once the warm start had run (39-76 s) and left a run directory."""
+    """These once failed only after the warm start had run (39-76 s) and left a run directory."""
     overrides = [override, "learner.optim.mini_batch_size=32"]
     if override.startswith("sft."):
         overrides.append("sft.steps=1")  # the defaults have no warm start: this creates the section

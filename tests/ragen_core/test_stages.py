@@ -108,7 +108,7 @@ def test_file_digest_follows_content_and_skips_rehashing(
     assert "big.bin" not in reads  # never read: identified by (size, mtime)
 
 
-# ------------------------------------------------------------------------------ integrity (issue 18)
+# ------------------------------------------------------------------------------ integrity (checksums)
 
 
 def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) -> None:

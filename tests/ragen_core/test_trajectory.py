@@ -175,7 +175,7 @@ def test_killed_writer_never_replaces_a_good_file(tmp_path: Path) -> None:
     assert killed_mid_write >= 1
 
 
-# ------------------------------------------------------------------------------ integrity (issue 18)
+# ------------------------------------------------------------------------------ integrity (checksums)
 
 
 def test_a_flipped_byte_that_parquet_still_reads_is_reported_as_corrupt(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Issue 18 (9, 11, 12): a user error is one clear line (cause, key or file, fix), never a traceback,
+"""A user error is one clear line (cause, key or file, fix), never a traceback,
 and it comes before any work; tracebacks only with --debug. Each reproduction runs the real CLI in a
 subprocess (tests.flows.test_train.ragen)."""
 
@@ -173,7 +173,7 @@ def test_run_reference_errors_say_what_exists(
     state, run = stored_run
     out = ragen([a.format(run=run) for a in args], tmp_path, extra_env={"RAGEN_STATE_DIR": str(state)})
     text = one_clear_line(out, *(n.format(run=run) for n in needles), max_lines=2)
-    assert "HF_HOME" not in text  # not the misleading "model not found locally" of issue 18 (12)
+    assert "HF_HOME" not in text  # not the misleading "model not found locally" it once printed
 
 
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
@@ -242,7 +242,7 @@ HEAVY = ("torch", "transformers", "prefect", "mlflow", "ray", "huggingface_hub")
     ],
 )
 def test_unknown_run_or_path_fails_at_once(args: list[str], needles: tuple[str, ...], tmp_path: Path) -> None:
-    """Issue 21: `ragen evaluate no-such-run` took 20 s and printed a 280-line traceback about a missing
+    """`ragen evaluate no-such-run` once took 20 s and printed a 280-line traceback about a missing
     Hugging Face model. Now one line, before anything heavy is imported: the wall time below includes
     the interpreter's start-up (on a loaded machine); the import check is the exact one."""
     t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def test_unknown_run_or_path_fails_at_once(args: list[str], needles: tuple[str, 
 
 @pytest.mark.slow
 def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_apart(tmp_path: Path) -> None:
-    """Issue 21: `evaluate --tags` defaulted to SimpleSokoban whatever the run trained on; the printed
+    """`evaluate --tags` once defaulted to SimpleSokoban whatever the run trained on; the printed
     and logged `success` averaged a training tag with a held-out one; no Prefect artifact; no MLflow
     run id. A run trained on Bandit and validated on Bandit and BanditTest (its policy: the step-0 one)."""
     import json

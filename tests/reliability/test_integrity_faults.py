@@ -1,7 +1,9 @@
-"""Issue 18: damaged run artifacts are named, never trained on nor blamed on reproducibility.
+"""Damaged run artifacts are named, never trained on nor blamed on reproducibility (a damaged file
+used to be trained on, or reported by ``rerun`` as "DIFFERENT").
 
 Each test damages a copy of one real tiny run (tests.flows.test_train's TINY settings, 3 iterations)
-the way the issue reproduced it, then runs the real CLI on it.
+as a disk fault or a killed writer would (flipped bytes, a truncated file, a column of the wrong type),
+then runs the real CLI on it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Nothing of the default setup listens beyond loopback (the README promises 127.0.0.1)."""
+"""Nothing of the default setup listens beyond loopback (docs/runs.md promises 127.0.0.1: "Loopback only")."""
 
 from __future__ import annotations
 

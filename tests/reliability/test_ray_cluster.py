@@ -66,7 +66,7 @@ def other_cluster(tmp_path: Path):
                 timeout=180,
             )
             current = Path(get_ray_address_file(None)).read_text().strip()
-            assert current.endswith(f":{port}")  # the case of the issue: it is "current"
+            assert current.endswith(f":{port}")  # the failing case: it is the machine's "current" one
             yield port, marker
         finally:
             procs.kill_tree(marker)
@@ -102,7 +102,7 @@ def test_learner_group_the_cluster_cannot_hold_fails_at_once(no_ray) -> None:
 
 
 def test_learner_group_waits_briefly_for_busy_cpus_then_fails(no_ray) -> None:
-    """The issue's case: the cluster has the CPUs, but another actor (the rollout worker) holds one,
+    """The cluster has the CPUs, but another actor (the rollout worker) holds one,
     so one of two learners can never start; it used to wait 300 s at the rendezvous."""
     init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
     holder = ray.remote(num_cpus=1)(type("Holder", (), {"ping": lambda self: 1})).remote()

@@ -1,4 +1,4 @@
-"""Issue 18: a run is its own (no result of another run is reused), locked while it trains, safely
+"""A run is its own (no result of another run is reused), locked while it trains, safely
 named, and resumed only with changes that keep its stored iterations valid. Through the real CLI."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MLflow faults against real parts (issue 18, items 7 and 8).
+"""MLflow faults against real parts: a tracking server that dies or hangs, and a store opened twice.
 
 * A tracking server that dies (SIGKILL) or hangs (SIGSTOP) mid-run costs seconds once: the Tracker
   goes offline, later calls return at once, nothing raises, and training finishes; after a restart,
@@ -167,7 +167,7 @@ def untimed_s(run: RunDir, k: int) -> float:
 
 
 def test_training_outlives_a_dead_server_and_resume_logs_every_step(server: Server, tmp_path: Path) -> None:
-    """The issue's scenario: the server dies after iteration 2 and stays down; then it comes back."""
+    """A tracking outage mid-run: the server dies after iteration 2 and stays down; then it comes back."""
     server.up()
     state = tmp_path / "state"
     iterations = 6

@@ -66,8 +66,8 @@ def test_iteration_reuses_only_intact_stage_outputs_of_its_own_run(tmp_path: Pat
 
 
 def test_a_second_run_of_the_same_config_reuses_nothing_of_the_first(tmp_path: Path) -> None:
-    """Issue 18, defect 1: the second run of a config got the first run's cached results and never
-    wrote its own files. Each run now writes its own rollouts, checkpoints and records."""
+    """The second run of a config once got the first run's cached results and never wrote its own
+    files. Each run now writes its own rollouts, checkpoints and records."""
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.train import iteration_flow
