@@ -539,11 +539,11 @@ def train(
 
     _prepare()
     from ragen_core.config import DEFAULT_CONFIG, load_config
-    from ragen_core.preflight import preflight
-    from ragen_core.resume import resume_config
-    from ragen_core.run_dir import find_run, run_name
-    from ragen_core.run_lock import RunLock
-    from ragen_core.stages import check_resumable
+    from ragen_core.run.preflight import preflight
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_dir import find_run, run_name
+    from ragen_core.run.run_lock import RunLock
+    from ragen_core.run.stages import check_resumable
 
     # Input errors fail here, before Prefect, Ray or a model starts (the command wrapper prints them).
     if resume is None:
@@ -571,7 +571,7 @@ def train(
     )  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     run = RunDir(run_dir)
     cfg = run.config()
@@ -600,8 +600,8 @@ def probe(
     """Check, before training, that RL can learn from the config's starting policy: go / no-go."""
     _prepare()
     from ragen_core.config import load_config
-    from ragen_core.probe import probe as run_probe
-    from ragen_core.probe import record_probe
+    from ragen_core.run.probe import probe as run_probe
+    from ragen_core.run.probe import record_probe
 
     cfg = load_config(config, set_ or [])
     if cfg.sft is not None:
@@ -765,7 +765,7 @@ def rerun(
     _prepare()
     from flows.rerun import RerunRequest, check_rerun
     from flows.rerun import rerun as rerun_flow
-    from ragen_core.run_dir import find_run
+    from ragen_core.run.run_dir import find_run
 
     check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))

@@ -20,8 +20,8 @@ from ragen_core.errors import RagenError
 from ragen_core.policy_ref import locate_policy
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.run_dir import RunDir, atomic_write_text
-from ragen_core.stages import check_init_policy
+from ragen_core.run.run_dir import RunDir, atomic_write_text
+from ragen_core.run.stages import check_init_policy
 from ragen_core.trajectory import write_table
 
 
@@ -157,7 +157,7 @@ def resolve_policy(spec: str) -> Policy:
 def _registered_policy(uri: str) -> Policy:
     """``models:/<run id>@best`` (or ``/<version>``): the registered LoggedModel's run and step when the
     run is on this machine (so it plays as that run does), else its downloaded files as a model."""
-    from ragen_core.logged_models import ModelURIError, resolve_model_uri
+    from ragen_core.run.logged_models import ModelURIError, resolve_model_uri
     from ragen_core.state_folder import locate_run, models_dir, state_dir
     from ragen_core.tracking import Tracker, TrackingConfig
 
@@ -305,7 +305,7 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
 def link_metrics(tracker: Any, model_id: str, metrics: dict[str, float]) -> None:
     """The evaluation's metrics (step 0) linked to the LoggedModel it evaluated; a failing store takes the
     tracker offline, as its own calls do."""
-    from ragen_core.logged_models import link_metrics as link
+    from ragen_core.run.logged_models import link_metrics as link
 
     try:
         link(tracker.client, tracker.run_id, model_id, metrics, 0, int(time.time() * 1000))

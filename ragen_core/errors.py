@@ -39,7 +39,7 @@ class RagenError(Exception):
 #: (module, class name) of user-error classes that do not subclass :class:`RagenError` (yet).
 KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.config", "ConfigError"),
-    ("ragen_core.preflight", "PreflightError"),
+    ("ragen_core.run.preflight", "PreflightError"),
     ("ragen_core.trajectory", "TrajectoryFileError"),
     ("ragen_core.checkpoint", "CheckpointError"),
     ("ragen_core.tracking", "TrackingError"),

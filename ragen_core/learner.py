@@ -401,7 +401,7 @@ class Learner:
     ) -> torch.Tensor:
         """Summed log-prob of every response after every prompt under the current policy, ``(R, P)``
         float64 on the CPU: entry [i, j] = Σ_t log π(z_i,t | x_j, z_i,<t) (teacher forcing, temperature
-        1). The collapse metrics' input (``ragen_core.collapse_probe``); no gradient, no RNG."""
+        1). The collapse metrics' input (``ragen_core.run.collapse_probe``); no gradient, no RNG."""
         n_r, n_p = len(responses), len(prompts)
         if n_r == 0 or n_p == 0:
             return torch.zeros(n_r, n_p, dtype=torch.float64)

@@ -55,7 +55,7 @@ every new state folder), so the first store made with an MLflow version is kept,
 cache (:func:`store_template`) and later new stores start as a copy of it.
 
 One process logs a run at a time (SQLite locks under concurrent writers): while the loop runs, the
-run's logging process holds it (``ragen_core.log_process``; ``Tracker.state`` / ``take_over`` hand
+run's logging process holds it (``ragen_core.run.log_process``; ``Tracker.state`` / ``take_over`` hand
 it over and back).
 """
 

@@ -95,7 +95,7 @@ def test_a_run_defaults_to_its_validation_tags_a_model_to_simple_sokoban(
 ) -> None:
     """Issue 21: `evaluate --tags` defaulted to SimpleSokoban whatever the run trained on."""
     from ragen_core.config import dump_config, load_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path))
     run = RunDir(tmp_path / "runs" / "bandit-0123abcd-ef4567")

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.sweep import SweepRequest, run_sweep
 from flows.train import TrainRequest
-from ragen_core.run_dir import RunDir
+from ragen_core.run.run_dir import RunDir
 from ragen_core.sweep.state import SweepState
 from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig

@@ -237,8 +237,8 @@ def test_pruned_optimizer_states_keep_the_weights_and_refuse_a_learner(tmp_path)
     load it, and damage to its weights is still caught."""
     from ragen_core.checkpoint import OPTIM_PRUNED, verify_checkpoint
     from ragen_core.config import ConfigError, load_config
-    from ragen_core.run_dir import RunDir
-    from ragen_core.stages import prune_optimizer_states
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.run.stages import prune_optimizer_states
 
     run = RunDir(tmp_path / "run")
     learner = Learner(tiny_policy(), make_cfg())

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ragen_core.algorithms.collapse import collapse_stats, retrieval_hits
-from ragen_core.collapse_probe import collapse_due, collapse_metrics, first_turn_pair, sample_pairs
 from ragen_core.monitor import MonitorConfig
+from ragen_core.run.collapse_probe import collapse_due, collapse_metrics, first_turn_pair, sample_pairs
 
 LN2 = math.log(2)
 

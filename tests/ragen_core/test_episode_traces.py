@@ -26,8 +26,8 @@ from ragen_core.episode_traces import (
     trace_id_for,
     turns_of,
 )
-from ragen_core.run_dir import RunDir, create_run
-from ragen_core.stages import filter_stage
+from ragen_core.run.run_dir import RunDir, create_run
+from ragen_core.run.stages import filter_stage
 from ragen_core.tracking import Tracker
 from ragen_core.trajectory import Trajectory, read_table, write_trajectories
 
@@ -133,7 +133,7 @@ def stored_run(cfg: RagenConfig, name: str) -> RunDir:
 
 def log_steps(run: RunDir, cfg: RagenConfig, state: Path, mlflow_run_id: str | None = None) -> Tracker:
     """Log every step of ``run`` through ``StepLogger.log_step`` (the hook under test)."""
-    from ragen_core.step_log import StepLogger
+    from ragen_core.run.step_log import StepLogger
 
     tracker = Tracker(cfg.tracking, state)
     with tracker:  # ends the MLflow run FINISHED
@@ -346,7 +346,7 @@ def test_rollouts_logged_before_the_step_are_not_logged_twice_and_a_resume_logs_
     without a second copy of the traces."""
     from mlflow.tracking import MlflowClient
 
-    from ragen_core.step_log import StepLogger
+    from ragen_core.run.step_log import StepLogger
 
     assert ITERATIONS == 2  # iteration 2 is the last, with the final evaluation
     cfg = config(tmp_path, "tracking.experiment=traces-early")

@@ -238,7 +238,7 @@ def test_an_imported_model_is_named_by_its_folder_under_the_state(tmp_path, monk
     from pydantic import ValidationError
 
     from ragen_core.config import load_config
-    from ragen_core.preflight import PreflightError, preflight
+    from ragen_core.run.preflight import PreflightError, preflight
 
     model, folder = saved
     monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))

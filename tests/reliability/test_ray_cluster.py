@@ -119,7 +119,7 @@ def test_an_unreachable_ray_address_fails_at_once_naming_it(no_ray, monkeypatch:
     refuses it in preflight, before any work, and init_ray does too, each naming the address and the fix."""
     from ragen_core.actors import RayAddressError
     from ragen_core.config import load_config
-    from ragen_core.preflight import PreflightError, preflight
+    from ragen_core.run.preflight import PreflightError, preflight
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragen_core.log_process import ProcessStepLog
-from ragen_core.run_dir import RunDir
-from ragen_core.step_log import StepLogger
+from ragen_core.run.log_process import ProcessStepLog
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.step_log import StepLogger
 from ragen_core.tracking import BackgroundLog, Tracker, TrackingConfig
 from tests.flows.test_train import CONFIG, TINY, only_run, ragen
 from tests.test_e2e import INHERITED_DROP_PREFIXES, free_port, kill_group, tool, wait_healthy

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.config import RagenConfig
-from ragen_core.run_dir import RunDir, atomic_write_text
+from ragen_core.run.run_dir import RunDir, atomic_write_text
 
 
 class Session:

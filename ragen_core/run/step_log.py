@@ -6,9 +6,9 @@ page, a sample of episodes as traces (these four as soon as the filter has judge
 the validation file, then the metrics with the step's marker (idempotent per step). It needs only
 the run folder and a :class:`~ragen_core.tracking.Tracker`, so it runs in any process.
 
-Where it runs is ``tracking.background`` (``ragen_core.log_process.open_step_log``):
+Where it runs is ``tracking.background`` (``ragen_core.run.log_process.open_step_log``):
 
-- ``process`` (default): the run's logging process (``ragen_core.log_process``). MLflow's SQL store
+- ``process`` (default): the run's logging process (``ragen_core.run.log_process``). MLflow's SQL store
   and trace writer are pure Python; in a thread of the training process they take the interpreter
   lock from the rollout loop for about 0.1 s of CPU per iteration (benchmarks/README.md, "Pipeline
   overhead"), in a process of their own they use the other core;
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ragen_core.run_dir import RunDir
+from ragen_core.run.run_dir import RunDir
 from ragen_core.tracking import BackgroundLog, Tracker
 from ragen_core.transcripts import to_html, transcript_rows
 

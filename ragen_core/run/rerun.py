@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ragen_core import stage_record
 from ragen_core.config import RagenConfig
 from ragen_core.integrity import CorruptFileError
-from ragen_core.run_dir import RunDir
-from ragen_core.session import Session
-from ragen_core.stages import behaviour_policy, check_init_policy, play, update_policy
+from ragen_core.run import stage_record
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.session import Session
+from ragen_core.run.stages import behaviour_policy, check_init_policy, play, update_policy
 from ragen_core.trajectory import read_table, schema_version, write_table
 
 

@@ -148,7 +148,7 @@ def learnability_check(cfg: RagenConfig) -> None:
         return
     import logging
 
-    from ragen_core.probe import probe
+    from ragen_core.run.probe import probe
 
     result = probe(cfg, groups=min(4, cfg.train.num_groups))  # never more than an iteration plays
     log = logging.getLogger("ragen.progress")

@@ -145,7 +145,7 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     from ragen_core.rollout.constrained import ActionGrammar
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import Segments, run_rollouts
-    from ragen_core.stages import sampling_params
+    from ragen_core.run.stages import sampling_params
 
     t0 = time.perf_counter()
     model, tokenizer = policy_from_config(cfg.model)
