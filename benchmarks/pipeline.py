@@ -152,8 +152,9 @@ LABELS = [
 def instrument(clock: Clock) -> None:
     import prefect.results
 
-    from ragen_core import actors, tracking
+    from ragen_core import actors
     from ragen_core.run import log_process, run_dir, session, stage_record, stages, step_log, training
+    from ragen_core.tracking import tracker
 
     clock.wrap(
         session.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
@@ -177,12 +178,12 @@ def instrument(clock: Clock) -> None:
     clock.wrap(prefect.results.ResultStore, "persist_result_record", "result persistence")
     clock.wrap(prefect.results.ResultStore, "exists", "cache lookups")
     clock.wrap(prefect.results.ResultStore, "read", "cache lookups")
-    clock.wrap(tracking.Tracker, "log_iteration", "log_iteration (log_batch)")
-    clock.wrap(tracking.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
-    clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
-    clock.wrap(tracking.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracker.Tracker, "log_iteration", "log_iteration (log_batch)")
+    clock.wrap(tracker.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
+    clock.wrap(tracker.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracker.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
     clock.wrap(step_log, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
-    clock.wrap(tracking.Tracker, "log_episode_traces", "episode traces")
+    clock.wrap(tracker.Tracker, "log_episode_traces", "episode traces")
     clock.wrap(training, "log_kept_models", "logged models (once, at the end)")
     import flows.reporting
     import flows.train

@@ -633,7 +633,7 @@ def success_per_tag(
 def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
     """Where to look next, with the commands that do it."""
     run_id, last = result["run_id"], result["last_iteration"]
-    from ragen_core.tracking import LOCAL_UI_URL
+    from ragen_core.tracking.tracker import LOCAL_UI_URL
 
     url = result.get("mlflow_url")
     lines = ["next:"]
@@ -929,7 +929,7 @@ def sweep_report(
     """Regenerate a sweep's comparison report from MLflow alone (report.md, report.json, PNG curves)."""
     state = _prepare()
     from ragen_core.sweep.report import build_report
-    from ragen_core.tracking import Tracker, TrackingConfig, TrackingError
+    from ragen_core.tracking.tracker import Tracker, TrackingConfig, TrackingError
 
     try:
         tracker = Tracker(TrackingConfig(tracking_uri=tracking_uri), state)
@@ -1079,7 +1079,7 @@ def ui(
                 f"listens there or pass another port: ragen ui {option} N"
             )
     state = _prepare()
-    from ragen_core.tracking import TrackingConfig, resolve_tracking_uri
+    from ragen_core.tracking.tracker import TrackingConfig, resolve_tracking_uri
 
     uri = resolve_tracking_uri(TrackingConfig(), state)
     bin_dir = Path(sys.executable).parent
@@ -1220,7 +1220,7 @@ def doctor() -> None:
         out.print(f"[green]ok[/]   vllm {check_vllm()} under {vllm_python()} (rollout.engine=vllm)")
     except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
         out.print(f"[yellow]--[/]   rollout.engine=vllm unavailable: {exc}; rollout.engine=hf works")
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker, TrackingConfig
 
     try:
         tracker = Tracker(TrackingConfig(), state)

@@ -84,7 +84,7 @@ from ragen_core.sweep.tags import (
     SWEEP_HASH_TAG,
     SWEEP_TAG,
 )
-from ragen_core.tracking import Tracker, TrackingConfig
+from ragen_core.tracking.tracker import Tracker, TrackingConfig
 
 TrainFn = Callable[[TrainRequest], Mapping[str, Any]]
 

@@ -27,7 +27,7 @@ from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.sft import SFTConfig
-from ragen_core.tracking import TrackingConfig, flatten_params
+from ragen_core.tracking.tracker import TrackingConfig, flatten_params
 
 #: The config ``ragen train`` trains when none is given (the README's main job).
 DEFAULT_CONFIG = "configs/bandit-tiny.yaml"

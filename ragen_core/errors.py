@@ -42,7 +42,7 @@ KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.run.preflight", "PreflightError"),
     ("ragen_core.trajectory", "TrajectoryFileError"),
     ("ragen_core.checkpoint", "CheckpointError"),
-    ("ragen_core.tracking", "TrackingError"),
+    ("ragen_core.tracking.tracker", "TrackingError"),
     ("ragen_core.sweep.spec", "SweepError"),
     ("ragen_core.models", "ModelNotFoundError"),
     ("ragen_core.rollout.vllm_engine", "VLLMUnavailableError"),

@@ -4,7 +4,7 @@ process``, the default; ``ragen_core.run.step_log`` has the other modes).
 The training process starts it with the run's tracking settings (``python -m ragen_core.run.log_process``,
 one socket between them) and sends it :class:`~ragen_core.run.step_log.StepLogger` calls by name. The run
 is handed over, not shared: at the first call after a flush, the training process's tracker sends
-its :class:`~ragen_core.tracking.TrackerState` (the steps logged so far, offline or not) and stops
+its :class:`~ragen_core.tracking.tracker.TrackerState` (the steps logged so far, offline or not) and stops
 logging; at ``flush`` the logging process sends its state back and the training process's tracker
 takes over again (the end of the run: best step, plots, models). So one process logs the run at any
 moment, and the steps' marker tag is always whole.
@@ -47,7 +47,7 @@ from typing import Any
 from ragen_core.errors import RagenError
 from ragen_core.priority import lower_priority, nice_increment
 from ragen_core.run.step_log import CALLS, LocalStepLog, StepLog, StepLogger
-from ragen_core.tracking import BackgroundMode, Tracker, TrackerState
+from ragen_core.tracking.tracker import BackgroundMode, Tracker, TrackerState
 
 #: Held (shared) by a run's logging process for as long as it lives; beside the run's LOCK.
 LOCK_NAME = "LOGGING.lock"
@@ -256,7 +256,7 @@ def open_step_log(mode: BackgroundMode, logger: StepLogger) -> StepLog:
 def serve(conn: Connection) -> None:
     """Run the calls the training process sends, in order, until it says exit or goes away."""
     from ragen_core.run.run_dir import RunDir
-    from ragen_core.tracking import TrackingConfig
+    from ragen_core.tracking.tracker import TrackingConfig
 
     _, cfg, state_dir, run_root, run_id, iterations = conn.recv()
     tracker: Tracker | None = None

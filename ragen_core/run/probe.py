@@ -218,7 +218,7 @@ def record_probe(cfg: RagenConfig, config_path: str | os.PathLike[str], result: 
     the printed report as ``probe.txt``); returns the run's page, or why it was not logged."""
     from ragen_core.config import flatten
     from ragen_core.state_folder import state_dir
-    from ragen_core.tracking import Tracker
+    from ragen_core.tracking.tracker import Tracker
 
     tracker = Tracker(cfg.tracking, state_dir())
     name = f"probe-{Path(config_path).stem}"

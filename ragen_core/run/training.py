@@ -45,7 +45,7 @@ from ragen_core.run.run_lock import RunLock
 from ragen_core.run.session import Session
 from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
-from ragen_core.tracking import RunStatus, Tracker
+from ragen_core.tracking.tracker import RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.

@@ -117,7 +117,7 @@ def mlflow_steps(state: Path, run: Path) -> list[int]:
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
     run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
-    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, parse_steps
 
     return sorted(parse_steps(client.get_run(run_id).data.tags[LOGGED_STEPS_TAG]))
 
@@ -197,7 +197,7 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
 
     from ragen_core.run.logged_models import model_id_of, resolve_model_uri
     from ragen_core.run.run_dir import RunDir
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker, TrackingConfig
 
     state, root = reference
     run = RunDir(root)

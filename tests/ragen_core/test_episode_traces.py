@@ -17,7 +17,9 @@ from mlflow.tracing.client import TracingClient
 from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from ragen_core.config import RagenConfig, load_config
-from ragen_core.episode_traces import (
+from ragen_core.run.run_dir import RunDir, create_run
+from ragen_core.run.stages import filter_stage
+from ragen_core.tracking.episode_traces import (
     build_trace,
     choose_all,
     choose_train,
@@ -26,9 +28,7 @@ from ragen_core.episode_traces import (
     trace_id_for,
     turns_of,
 )
-from ragen_core.run.run_dir import RunDir, create_run
-from ragen_core.run.stages import filter_stage
-from ragen_core.tracking import Tracker
+from ragen_core.tracking.tracker import Tracker
 from ragen_core.trajectory import Trajectory, read_table, write_trajectories
 
 TAGS = ("Bandit", "SimpleSokoban")

@@ -162,7 +162,7 @@ def test_a_lost_node_rebuilds_the_actors_and_the_run_goes_on_from_its_last_itera
     once, and each learn stage recorded the learner count it ran with."""
     from mlflow.tracking import MlflowClient
 
-    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, parse_steps
     from tests.process_env import child_env
 
     sets = [

@@ -32,7 +32,7 @@ What a run holds:
   each iteration), one table ``transcripts.json`` appended with ``log_table`` for the UI's table
   view (one table path only, because ``log_table`` lists every table in a tag whose length is
   limited), and paper-style plots (``log_plots``: PNG under ``plots/``, the overview on top).
-* traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.episode_traces``): a
+* traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.tracking.episode_traces``): a
   sample of each iteration's train rollouts and every validation episode of the final step, one chat
   span per turn, the score, success and filter decision as feedback; sent to this store's trace API
   directly (no global tracer), and skipped on a resume when the store already has them.
@@ -845,11 +845,11 @@ class Tracker:
         self, path: str | os.PathLike[str], step: int, kept_rows: list[int] | None = None
     ) -> int:
         """Log the episodes of a trajectory file of ``step`` as MLflow traces of this run
-        (``ragen_core.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
+        (``ragen_core.tracking.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
         filter's decision, as feedback), every episode of a validation file; at most
         ``max_traces_per_step``. Off with ``log_artifacts``. A resumed run skips the traces its store
         already has. Returns the number of traces sent."""
-        from ragen_core.episode_traces import send_traces, traces_of_file
+        from ragen_core.tracking.episode_traces import send_traces, traces_of_file
 
         run_id = self._require_run()
         if not self.cfg.log_artifacts or self.offline is not None or self.experiment_id is None:
@@ -891,7 +891,7 @@ class Tracker:
         except TrackingError as e:
             self._go_offline(f"read the metric history of run {run_id}", e.__cause__ or e)
             return []
-        from ragen_core.plotting import render_plots
+        from ragen_core.tracking.plotting import render_plots
 
         paths = render_plots(hist, out_dir, markers=markers, title=title)
         for p in paths:  # the overview is what a reader opens first: at the top of the artifacts
