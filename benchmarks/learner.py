@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from ragen_core.critic import ValueModel
-from ragen_core.learner import Learner
+from ragen_core.learner.critic import ValueModel
+from ragen_core.learner.update import Learner
 from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.trajectory import TokenBatch
 

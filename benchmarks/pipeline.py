@@ -152,7 +152,7 @@ LABELS = [
 def instrument(clock: Clock) -> None:
     import prefect.results
 
-    from ragen_core import actors
+    from ragen_core.learner import actors
     from ragen_core.run import log_process, run_dir, session, stage_record, stages, step_log, training
     from ragen_core.tracking import tracker
 

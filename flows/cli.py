@@ -1232,7 +1232,7 @@ def doctor() -> None:
     try:
         import ray
 
-        from ragen_core.actors import init_ray
+        from ragen_core.learner.actors import init_ray
 
         resources = init_ray()
         import os

@@ -14,9 +14,9 @@ from pydantic import BaseModel, Field
 
 from flows.reporting import artifact_key, progress_logger
 from flows.settings import configure_environment
-from ragen_core.checkpoint import verify_checkpoint
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
+from ragen_core.learner.checkpoint import verify_checkpoint
 from ragen_core.policy_ref import locate_policy
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig

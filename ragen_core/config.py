@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ragen_core.algorithms import SPREAD_FILTER_METRICS, kept_group_count
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
+from ragen_core.learner.sft import SFTConfig
 from ragen_core.learner_config import LearnerConfig
 from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.sft import SFTConfig
 from ragen_core.tracking.tracker import TrackingConfig, flatten_params
 
 #: The config ``ragen train`` trains when none is given (the README's main job).

@@ -41,7 +41,7 @@ KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.config", "ConfigError"),
     ("ragen_core.run.preflight", "PreflightError"),
     ("ragen_core.trajectory", "TrajectoryFileError"),
-    ("ragen_core.checkpoint", "CheckpointError"),
+    ("ragen_core.learner.checkpoint", "CheckpointError"),
     ("ragen_core.tracking.tracker", "TrackingError"),
     ("ragen_core.sweep.spec", "SweepError"),
     ("ragen_core.models", "ModelNotFoundError"),

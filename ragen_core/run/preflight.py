@@ -22,7 +22,7 @@ def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
     """The run's own Ray cluster gets this machine's CPUs (or ``RAGEN_RAY_NUM_CPUS``): actors that
     cannot all fit there would otherwise fail after the warm start. (A cluster given by RAY_ADDRESS
     is checked when the run places its actors, at once.)"""
-    from ragen_core.actors import local_cluster_cpus
+    from ragen_core.learner.actors import local_cluster_cpus
 
     t, learner = cfg.trainer, cfg.learner
     try:
@@ -106,7 +106,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     if not remote and cfg.trainer.backend == "ray":
         problems += _local_cluster_problems(cfg)
     if remote and cfg.trainer.backend == "ray":
-        from ragen_core.actors import ray_address_problem
+        from ragen_core.learner.actors import ray_address_problem
 
         problem = ray_address_problem(os.environ["RAY_ADDRESS"])
         if problem:

@@ -93,7 +93,7 @@ def rerun_stage(
                 return RerunResult(stage, k, out, stored, False, "no stored evaluation at this step")
             _check_stored_table(stored, out)
             return RerunResult(stage, k, out, stored, *_same_tables(out, stored))
-        from ragen_core.checkpoint import CheckpointError, verify_checkpoint
+        from ragen_core.learner.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
         kept = run.read_json(run.filter_file(k))["kept_rows"]

@@ -43,8 +43,8 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
     """
     import shutil
 
+    from ragen_core.learner.sft import warm_start
     from ragen_core.models import policy_from_config, save_policy
-    from ragen_core.sft import warm_start
 
     if (run.init_policy / "config.json").exists():
         check_init_policy(run)
@@ -82,7 +82,7 @@ def check_resumable(run: RunDir) -> int:
     """What a resume starts from, checked before anything is started or written: every complete
     iteration's metrics (re-logged to MLflow) and the state after the last one. Returns that
     iteration; a damaged file raises naming it."""
-    from ragen_core.checkpoint import verify_checkpoint
+    from ragen_core.learner.checkpoint import verify_checkpoint
 
     last = run.last_complete()
     for k in range(1, last + 1):
@@ -364,7 +364,7 @@ def prune_optimizer_states(cfg: RagenConfig, run: RunDir, k: int) -> list[int]:
     """``trainer.keep_optimizer_states = N``: once iteration ``k`` is done, the checkpoints of iterations
     ``<= k - N`` lose their optimiser state (their weights stay). The next iteration's learn stage reads
     only iteration ``k``'s; returns the iterations pruned now."""
-    from ragen_core.checkpoint import prune_optimizer_state
+    from ragen_core.learner.checkpoint import prune_optimizer_state
 
     keep = cfg.trainer.keep_optimizer_states
     if keep is None:

@@ -481,8 +481,8 @@ def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path
     tensors[first] = tensors[first] + 1e-3
     safetensors.torch.save_file(tensors, str(ckpt))
     # A different but intact checkpoint: re-record its digest (unrecorded, it is reported as corrupt).
-    from ragen_core.checkpoint import manifest_digest
     from ragen_core.integrity import sha256_file
+    from ragen_core.learner.checkpoint import manifest_digest
 
     manifest = json.loads((ckpt.parents[1] / "manifest.json").read_text())
     manifest["files"]["policy/model.safetensors"] = sha256_file(ckpt)

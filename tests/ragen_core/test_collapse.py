@@ -142,7 +142,7 @@ def test_collapse_due_and_off_switch() -> None:
 
 
 def test_learner_cross_logprobs_equal_a_plain_forward_pass() -> None:
-    from ragen_core.learner import Learner
+    from ragen_core.learner.update import Learner
     from ragen_core.learner_config import LearnerConfig, OptimConfig
     from tests.ragen_core.test_learner import tiny_policy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ragen_core.critic import backbone, build_critic
+from ragen_core.learner.critic import backbone, build_critic
 from ragen_core.learner_config import OptimConfig
 from tests.ragen_core.test_learner import random_batch, tiny_policy
 

@@ -154,7 +154,7 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     """The agent protocol end to end on Bandit, and one learner step (GRPO, loading the folder as a
     run's learner does) whose log-probs match the rollout's and which updates the weights."""
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-    from ragen_core.learner import Learner
+    from ragen_core.learner.update import Learner
     from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout.engine import HFEngine, SamplingParams

@@ -126,7 +126,7 @@ def test_a_run_trains_on_a_cluster_of_two_nodes_one_learner_on_each(two_nodes, t
 PLACED_NODES = """
 import sys
 from ray.util.placement_group import placement_group_table
-from ragen_core.actors import init_ray, reserve_learners
+from ragen_core.learner.actors import init_ray, reserve_learners
 from ragen_core.learner_config import LearnerConfig
 init_ray()
 group = reserve_learners(LearnerConfig(num_cpus=1, placement=sys.argv[1]), 2, timeout_s=30)

@@ -29,10 +29,10 @@ Data parallelism: when ``torch.distributed`` is initialised with more than one p
 learner receives the whole batch, computes old log-probs / values for its contiguous share of the
 rows (then all-reduced), computes the same advantages, and trains on its contiguous share of each
 mini-batch; gradients are summed with an all-reduce, so every rank takes the same optimiser step.
-Parameters are broadcast from rank 0 at construction. See ``ragen_core.actors``.
+Parameters are broadcast from rank 0 at construction. See ``ragen_core.learner.actors``.
 
-The learner's config is ``ragen_core.learner_config``, its critic ``ragen_core.critic``, and the
-checkpoint files it saves and loads ``ragen_core.checkpoint``; this module holds the update itself.
+The learner's config is ``ragen_core.learner_config``, its critic ``ragen_core.learner.critic``, and the
+checkpoint files it saves and loads ``ragen_core.learner.checkpoint``; this module holds the update itself.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ from ragen_core.algorithms import (
     value_loss,
     whiten,
 )
-from ragen_core.checkpoint import load_into, read_checkpoint, set_rng_state, write_checkpoint
-from ragen_core.critic import ValueModel, backbone, build_critic
+from ragen_core.learner.checkpoint import load_into, read_checkpoint, set_rng_state, write_checkpoint
+from ragen_core.learner.critic import ValueModel, backbone, build_critic
 from ragen_core.learner_config import LearnerConfig
 from ragen_core.trajectory import TokenBatch
 
@@ -1026,7 +1026,7 @@ class Learner:
     def save_checkpoint(
         self, path: str | os.PathLike[str], iteration: int, extra: dict[str, Any] | None = None
     ) -> Path:
-        """Write everything needed to resume into ``path`` atomically (``ragen_core.checkpoint``
+        """Write everything needed to resume into ``path`` atomically (``ragen_core.learner.checkpoint``
         describes the layout); ``extra`` is stored in the manifest. An ``OSError`` (full disk) is
         raised as ``StorageWriteError`` naming the checkpoint."""
         training_state = {
