@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.learner.update import Learner
 from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
-from ragen_core.models import load_policy
+from ragen_core.models.policies import load_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts

@@ -58,7 +58,7 @@ MODEL: str | None = None
 
 def build_model(seed: int = 0) -> torch.nn.Module:
     if MODEL is not None:
-        from ragen_core.models import load_policy
+        from ragen_core.models.policies import load_policy
 
         return load_policy(MODEL)[0]
     torch.manual_seed(seed)

@@ -693,7 +693,7 @@ def evaluate(
     Success is reported per tag; tags the run did not train on are marked held out.
     """
     _prepare()
-    from ragen_core.policy_ref import locate_policy
+    from ragen_core.models.policy_ref import locate_policy
 
     # Before Prefect, MLflow or torch load (seconds): an unknown run or model fails at once.
     locate_policy(policy)
@@ -989,7 +989,7 @@ def model_import(
     """
     import time
 
-    from ragen_core.model_import import import_gguf
+    from ragen_core.models.importing import import_gguf
 
     t0 = time.perf_counter()
     result = import_gguf(

@@ -17,7 +17,7 @@ from flows.settings import configure_environment
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner.checkpoint import verify_checkpoint
-from ragen_core.policy_ref import locate_policy
+from ragen_core.models.policy_ref import locate_policy
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.run.run_dir import RunDir, atomic_write_text
@@ -119,7 +119,7 @@ def resolve_policy(spec: str) -> Policy:
     """The policy ``spec`` names: a run reference (with the run's protocol, max_new_tokens and tags) or
     a model (which has none of its own).
 
-    An unknown reference fails at once (``ragen_core.policy_ref``: nothing heavy is loaded to find
+    An unknown reference fails at once (``ragen_core.models.policy_ref``: nothing heavy is loaded to find
     out); ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them).
     """
     ref = locate_policy(spec)

@@ -24,7 +24,7 @@ from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner.sft import SFTConfig
 from ragen_core.learner_config import LearnerConfig
-from ragen_core.models import ModelConfig
+from ragen_core.models.policies import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.tracking.tracker import TrackingConfig, flatten_params

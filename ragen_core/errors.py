@@ -44,7 +44,7 @@ KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.learner.checkpoint", "CheckpointError"),
     ("ragen_core.tracking.tracker", "TrackingError"),
     ("ragen_core.sweep.spec", "SweepError"),
-    ("ragen_core.models", "ModelNotFoundError"),
+    ("ragen_core.models.policies", "ModelNotFoundError"),
     ("ragen_core.rollout.vllm_engine", "VLLMUnavailableError"),
     ("ragen_core.rollout.engine", "PromptTooLongError"),
     ("envs.registry", "UnknownEnvError"),

@@ -249,7 +249,7 @@ def read_checkpoint(
 
 
 def _read_policy(directory: Path, policy: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
-    from ragen_core.models import load_weight_files
+    from ragen_core.models.policies import load_weight_files
 
     try:
         sd = load_weight_files(directory)

@@ -23,7 +23,7 @@ some of the task) by imitation, as RAGEN's appendix C compares SFT with RL:
 3. **Training.** :func:`train_sft`: masked next-token cross-entropy over the assistant tokens
    (token-mean over the batch), AdamW, linear warm-up then cosine decay, seeded shuffling;
    deterministic on CPU for a given seed and thread count. :func:`warm_start` builds the tiny policy
-   (or loads ``ModelConfig.path``), trains it and saves it with :func:`~ragen_core.models.save_policy`.
+   (or loads ``ModelConfig.path``), trains it and saves it with :func:`~ragen_core.models.policies.save_policy`.
 
 The demonstrations are written in the agent protocol the caller passes (the pipeline: the run's
 ``agent`` section), so the warm start and the rollouts that follow it read the same prompts.
@@ -445,11 +445,11 @@ def warm_start(
 ) -> Path:
     """Build the policy of ``model_cfg`` (tiny or ``path``), train it on demonstrations, save it.
 
-    Writes the policy (HF format, :func:`~ragen_core.models.save_policy`) and ``sft_metrics.json`` in
+    Writes the policy (HF format, :func:`~ragen_core.models.policies.save_policy`) and ``sft_metrics.json`` in
     ``out_dir`` and returns ``out_dir``. ``sft_metrics.json`` adds ``build_seconds`` (tokenizer and
     model) and ``total_seconds`` to :func:`train_sft`'s metrics.
     """
-    from ragen_core.models import policy_from_config, save_policy
+    from ragen_core.models.policies import policy_from_config, save_policy
 
     t0 = time.perf_counter()
     model, tokenizer = policy_from_config(model_cfg)

@@ -140,7 +140,7 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     import time
 
     from ragen_core.env_groups import EnvGroups
-    from ragen_core.models import policy_from_config
+    from ragen_core.models.policies import policy_from_config
     from ragen_core.protocol import forced_prefix
     from ragen_core.rollout.constrained import ActionGrammar
     from ragen_core.rollout.engine import HFEngine, SamplingParams

@@ -44,7 +44,7 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
     import shutil
 
     from ragen_core.learner.sft import warm_start
-    from ragen_core.models import policy_from_config, save_policy
+    from ragen_core.models.policies import policy_from_config, save_policy
 
     if (run.init_policy / "config.json").exists():
         check_init_policy(run)

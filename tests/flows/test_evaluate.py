@@ -57,7 +57,7 @@ def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(t
 def test_evaluate_plays_tags_with_different_budgets_on_one_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ragen_core.models import save_policy
+    from ragen_core.models.policies import save_policy
     from tests.tiny_policy import smallest_policy
 
     model, tok = smallest_policy()

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ragen_core.models import (
+from ragen_core.models.policies import (
     CHATML_TEMPLATE,
     PROTOCOL_TOKENS,
     ModelConfig,

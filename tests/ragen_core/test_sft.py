@@ -22,7 +22,7 @@ from ragen_core.learner.sft import (
     train_sft,
     warm_start,
 )
-from ragen_core.models import ModelConfig, build_tiny_policy, load_policy
+from ragen_core.models.policies import ModelConfig, build_tiny_policy, load_policy
 from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
 from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts

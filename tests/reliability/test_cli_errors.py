@@ -269,7 +269,7 @@ def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_a
     import re
 
     from ragen_core.config import dump_config, load_config
-    from ragen_core.models import save_policy
+    from ragen_core.models.policies import save_policy
     from ragen_core.run.run_dir import RunDir
     from tests.prefect_server import prefect_api
     from tests.tiny_policy import smallest_policy
