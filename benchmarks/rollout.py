@@ -50,8 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.models.policies import ModelConfig, build_tiny_policy
+from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts

@@ -928,8 +928,10 @@ def sweep_report(
 ) -> None:
     """Regenerate a sweep's comparison report from MLflow alone (report.md, report.json, PNG curves)."""
     state = _prepare()
+    from ragen_core.config.tracking import TrackingConfig
     from ragen_core.sweep.report import build_report
-    from ragen_core.tracking.tracker import Tracker, TrackingConfig, TrackingError
+    from ragen_core.tracking.offline import TrackingError
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         tracker = Tracker(TrackingConfig(tracking_uri=tracking_uri), state)
@@ -1079,7 +1081,7 @@ def ui(
                 f"listens there or pass another port: ragen ui {option} N"
             )
     state = _prepare()
-    from ragen_core.tracking.tracker import TrackingConfig, resolve_tracking_uri
+    from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri
 
     uri = resolve_tracking_uri(TrackingConfig(), state)
     bin_dir = Path(sys.executable).parent
@@ -1220,7 +1222,8 @@ def doctor() -> None:
         out.print(f"[green]ok[/]   vllm {check_vllm()} under {vllm_python()} (rollout.engine=vllm)")
     except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
         out.print(f"[yellow]--[/]   rollout.engine=vllm unavailable: {exc}; rollout.engine=hf works")
-    from ragen_core.tracking.tracker import Tracker, TrackingConfig
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         tracker = Tracker(TrackingConfig(), state)

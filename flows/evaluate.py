@@ -157,9 +157,10 @@ def resolve_policy(spec: str) -> Policy:
 def _registered_policy(uri: str) -> Policy:
     """``models:/<run id>@best`` (or ``/<version>``): the registered LoggedModel's run and step when the
     run is on this machine (so it plays as that run does), else its downloaded files as a model."""
+    from ragen_core.config.tracking import TrackingConfig
     from ragen_core.run.logged_models import ModelURIError, resolve_model_uri
     from ragen_core.state_folder import locate_run, models_dir, state_dir
-    from ragen_core.tracking.tracker import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         got = resolve_model_uri(uri, Tracker(TrackingConfig(), state_dir()), models_dir() / "registry")
@@ -267,7 +268,8 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
     mlflow_run, tracking, parent = None, None, None
     if request.log_to_mlflow:
-        from ragen_core.tracking.tracker import Tracker, TrackingConfig
+        from ragen_core.config.tracking import TrackingConfig
+        from ragen_core.tracking.tracker import Tracker
 
         tracking, parent = TrackingConfig(experiment=EVAL_EXPERIMENT), None
         if resolved.run_dir is not None:  # nested under the training run, in its experiment

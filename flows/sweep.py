@@ -60,6 +60,7 @@ from pydantic import BaseModel, Field
 from flows.reporting import name_flow_run, report_artifact
 from flows.settings import configure_environment
 from flows.train import TrainRequest
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.sweep.report import build_report
 from ragen_core.sweep.spec import (
     Member,
@@ -84,7 +85,7 @@ from ragen_core.sweep.tags import (
     SWEEP_HASH_TAG,
     SWEEP_TAG,
 )
-from ragen_core.tracking.tracker import Tracker, TrackingConfig
+from ragen_core.tracking.tracker import Tracker
 
 TrainFn = Callable[[TrainRequest], Mapping[str, Any]]
 

@@ -37,9 +37,9 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.errors import RagenError, ray_actor_lost
 from ragen_core.learner.update import Learner
-from ragen_core.learner_config import LearnerConfig
 from ragen_core.state_folder import state_dir
 from ragen_core.trajectory import TokenBatch
 

@@ -36,9 +36,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.faults import crash_point
 from ragen_core.integrity import sha256_file
-from ragen_core.learner_config import LearnerConfig
 from ragen_core.storage import as_os_error, write_error
 
 if TYPE_CHECKING:

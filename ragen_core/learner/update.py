@@ -31,7 +31,7 @@ rows (then all-reduced), computes the same advantages, and trains on its contigu
 mini-batch; gradients are summed with an all-reduce, so every rank takes the same optimiser step.
 Parameters are broadcast from rank 0 at construction. See ``ragen_core.learner.actors``.
 
-The learner's config is ``ragen_core.learner_config``, its critic ``ragen_core.learner.critic``, and the
+The learner's config is ``ragen_core.config.learner``, its critic ``ragen_core.learner.critic``, and the
 checkpoint files it saves and loads ``ragen_core.learner.checkpoint``; this module holds the update itself.
 """
 
@@ -70,9 +70,9 @@ from ragen_core.algorithms import (
     value_loss,
     whiten,
 )
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.learner.checkpoint import load_into, read_checkpoint, set_rng_state, write_checkpoint
 from ragen_core.learner.critic import ValueModel, backbone, build_critic
-from ragen_core.learner_config import LearnerConfig
 from ragen_core.trajectory import TokenBatch
 
 if TYPE_CHECKING:

@@ -44,10 +44,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ragen_core.config.tracking import BackgroundMode
 from ragen_core.errors import RagenError
 from ragen_core.priority import lower_priority, nice_increment
 from ragen_core.run.step_log import CALLS, LocalStepLog, StepLog, StepLogger
-from ragen_core.tracking.tracker import BackgroundMode, Tracker, TrackerState
+from ragen_core.tracking.tracker import Tracker, TrackerState
 
 #: Held (shared) by a run's logging process for as long as it lives; beside the run's LOCK.
 LOCK_NAME = "LOGGING.lock"
@@ -255,8 +256,8 @@ def open_step_log(mode: BackgroundMode, logger: StepLogger) -> StepLog:
 # ------------------------------------------------------------------------------ the logging process
 def serve(conn: Connection) -> None:
     """Run the calls the training process sends, in order, until it says exit or goes away."""
+    from ragen_core.config.tracking import TrackingConfig
     from ragen_core.run.run_dir import RunDir
-    from ragen_core.tracking.tracker import TrackingConfig
 
     _, cfg, state_dir, run_root, run_id, iterations = conn.recv()
     tracker: Tracker | None = None

@@ -57,7 +57,8 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
     if tokenizer is None:
         if cfg.model.builds_tiny:
             return []
-        from ragen_core.models.policies import ModelNotFoundError, load_tokenizer
+        from ragen_core.config.model import ModelNotFoundError
+        from ragen_core.models.policies import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(cfg.model.source())
@@ -95,7 +96,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         if problem:
             problems.append(f"rollout.engine=vllm: {problem}")
     if cfg.model.imported is not None:
-        from ragen_core.models.policies import ModelNotFoundError
+        from ragen_core.config.model import ModelNotFoundError
 
         try:
             cfg.model.source()

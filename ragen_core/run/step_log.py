@@ -12,7 +12,7 @@ Where it runs is ``tracking.background`` (``ragen_core.run.log_process.open_step
   and trace writer are pure Python; in a thread of the training process they take the interpreter
   lock from the rollout loop for about 0.1 s of CPU per iteration (benchmarks/README.md, "Pipeline
   overhead"), in a process of their own they use the other core;
-- ``thread``: a thread of the training process (:class:`~ragen_core.tracking.tracker.BackgroundLog`);
+- ``thread``: a thread of the training process (:class:`~ragen_core.tracking.background.BackgroundLog`);
 - ``off``: in the loop, before the next iteration starts.
 
 Every mode runs the calls in submission order; a store failure takes the tracker offline (training
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ragen_core.run.run_dir import RunDir
-from ragen_core.tracking.tracker import BackgroundLog, Tracker
+from ragen_core.tracking.background import BackgroundLog
+from ragen_core.tracking.tracker import Tracker
 from ragen_core.tracking.transcripts import to_html, transcript_rows
 
 #: The calls a step log accepts (methods of :class:`StepLogger`), by name: they cross a process boundary.

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.monitor import MonitorConfig, detect
 from ragen_core.state_folder import state_dir
 from ragen_core.sweep.spec import DEFAULT_COMPARE, slug
@@ -38,16 +39,9 @@ from ragen_core.sweep.tags import (
     SEED_TAG,
     SWEEP_TAG,
 )
+from ragen_core.tracking.keys import metric_key, parse_steps
 from ragen_core.tracking.plotting import render_group_curves
-from ragen_core.tracking.tracker import (
-    ITERATION_KEY,
-    LOGGED_STEPS_TAG,
-    PARENT_TAG,
-    Tracker,
-    TrackingConfig,
-    metric_key,
-    parse_steps,
-)
+from ragen_core.tracking.tracker import ITERATION_KEY, LOGGED_STEPS_TAG, PARENT_TAG, Tracker
 
 #: training statistics drawn for every group besides the compared metrics (the paper's figures)
 CURVE_KEYS = ["rollout/in_group_std", "actor/entropy", "actor/grad_norm", "response_length/mean"]

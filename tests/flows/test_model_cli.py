@@ -65,7 +65,8 @@ def test_bad_source_is_one_line_and_exit_1(tmp_path, make, expected):
 
 
 def test_import_then_again_says_where_it_is(tmp_path, monkeypatch):
-    from ragen_core.models.policies import ModelConfig, build_tiny_policy, torch_dtype
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import build_tiny_policy, torch_dtype
 
     tiny = build_tiny_policy(
         ModelConfig(

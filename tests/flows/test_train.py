@@ -117,7 +117,8 @@ def mlflow_steps(state: Path, run: Path) -> list[int]:
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
     run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
-    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.keys import parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG
 
     return sorted(parse_steps(client.get_run(run_id).data.tags[LOGGED_STEPS_TAG]))
 
@@ -195,9 +196,10 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
     ``models:/`` URI resolves to the run's own folder, or, where the run is not, to downloaded files."""
     from mlflow.tracking import MlflowClient
 
+    from ragen_core.config.tracking import TrackingConfig
     from ragen_core.run.logged_models import model_id_of, resolve_model_uri
     from ragen_core.run.run_dir import RunDir
-    from ragen_core.tracking.tracker import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
 
     state, root = reference
     run = RunDir(root)

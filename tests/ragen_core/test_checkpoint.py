@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.learner.checkpoint import CheckpointError, manifest_digest
 from ragen_core.learner.update import Learner
-from ragen_core.learner_config import LearnerConfig
 from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
 
 REPO = Path(__file__).resolve().parents[2]

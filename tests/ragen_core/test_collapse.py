@@ -142,8 +142,8 @@ def test_collapse_due_and_off_switch() -> None:
 
 
 def test_learner_cross_logprobs_equal_a_plain_forward_pass() -> None:
+    from ragen_core.config.learner import LearnerConfig, OptimConfig
     from ragen_core.learner.update import Learner
-    from ragen_core.learner_config import LearnerConfig, OptimConfig
     from tests.ragen_core.test_learner import tiny_policy
 
     learner = Learner(tiny_policy(), LearnerConfig(optim=OptimConfig(micro_batch_size=3, mini_batch_size=4)))

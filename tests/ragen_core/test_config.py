@@ -449,3 +449,27 @@ def test_a_resume_may_change_the_number_of_learners(tmp_path: Path) -> None:
     assert given.trainer.learners == 1 and changes == {"trainer.learners": ("2", "1")}
     with pytest.raises(ResumeError, match=r"learner\.optim\.actor_lr: stored .*, given 0\.5"):
         resume_config(tmp_path, stored, 3, overrides=["trainer.learners=1", "learner.optim.actor_lr=0.5"])
+
+
+def test_the_config_loads_no_runtime() -> None:
+    """The config's models are plain pydantic (``ragen_core/config/``): reading and checking a config
+    (``ragen --help``, ``ragen show``, a config error) loads neither torch, transformers nor MLflow."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "mlflow")
+    code = (
+        "import sys, ragen_core.config as c; c.load_config('configs/bandit-tiny.yaml'); "
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing ragen_core.config loaded {out.stdout.strip()}"
+
+
+def test_model_dtype_names_are_the_loaders() -> None:
+    """``model.dtype``'s accepted spellings (config) are exactly those the loader maps to torch."""
+    from ragen_core.config.model import DTYPE_NAMES
+    from ragen_core.models.policies import _DTYPES
+
+    assert set(DTYPE_NAMES) == set(_DTYPES)

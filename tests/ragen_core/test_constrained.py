@@ -10,9 +10,9 @@ import torch
 
 from ragen_core.algorithms import restrict_to_allowed
 from ragen_core.config import ConfigError, load_config
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.learner.update import Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.protocol import ProtocolConfig, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
 from ragen_core.rollout.engine import HFEngine, SamplingParams

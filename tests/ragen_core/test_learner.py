@@ -13,8 +13,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ragen_core.algorithms import entropy_from_logits, select_groups
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.learner.update import BadBatchError, Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.trajectory import TokenBatch
 
 VOCAB = 16

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.run.log_process import (
     LOCK_NAME,
     NICE_VAR,
@@ -26,7 +27,7 @@ from ragen_core.run.log_process import (
 )
 from ragen_core.run.run_dir import RunDir
 from ragen_core.run.step_log import LocalStepLog, StepLogger
-from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, Tracker, TrackingConfig
+from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, Tracker
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,8 @@ TRAINING_PROCESS = textwrap.dedent("""
     from ragen_core.run.log_process import ProcessStepLog
     from ragen_core.run.run_dir import RunDir
     from ragen_core.run.step_log import StepLogger
-    from ragen_core.tracking.tracker import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
+    from ragen_core.config.tracking import TrackingConfig
 
     state, root, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     tracker = Tracker(TrackingConfig(experiment="log-process"), state)

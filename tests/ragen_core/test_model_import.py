@@ -66,7 +66,8 @@ def imported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policy(imported):
-    from ragen_core.models.policies import ModelConfig, policy_from_config
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import policy_from_config
 
     return policy_from_config(ModelConfig(path=str(imported[0].path)))
 
@@ -153,9 +154,9 @@ def test_model_path_loads_it_with_its_chat_template(imported, policy):
 def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     """The agent protocol end to end on Bandit, and one learner step (GRPO, loading the folder as a
     run's learner does) whose log-probs match the rollout's and which updates the weights."""
+    from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
     from ragen_core.learner.update import Learner
-    from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import run_rollouts
@@ -360,7 +361,8 @@ def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, mon
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-    from ragen_core.models.policies import ModelConfig, build_tiny_policy
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import build_tiny_policy
 
     cfg = ModelConfig(
         hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=300

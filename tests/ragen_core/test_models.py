@@ -11,11 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ragen_core.config.model import ModelConfig, ModelNotFoundError
 from ragen_core.models.policies import (
     CHATML_TEMPLATE,
     PROTOCOL_TOKENS,
-    ModelConfig,
-    ModelNotFoundError,
     build_tiny_model,
     env_corpus,
     load_policy,

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.models.policies import ModelConfig, build_tiny_policy
+from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, PromptTooLongError, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
