@@ -37,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.learner.batch import to_token_batch
 from ragen_core.learner.update import Learner
 from ragen_core.models.policies import load_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
-from ragen_core.trajectory import Trajectory, to_table, to_token_batch
+from ragen_core.trajectory import Trajectory, to_table
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".state" / "models" / "smollm2-135m-instruct"
 

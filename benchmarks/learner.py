@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
+from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.critic import ValueModel
 from ragen_core.learner.update import Learner
-from ragen_core.trajectory import TokenBatch
 
 TARGET = 0.8
 TARGET_REAL = 0.9

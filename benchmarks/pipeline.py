@@ -364,9 +364,9 @@ class Plain:
         import pyarrow as pa
         import torch
 
+        from ragen_core.learner.batch import to_token_batch
         from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
         from ragen_core.run.stages import eval_due, sampling_params, select_rollouts
-        from ragen_core.trajectory import to_token_batch
 
         cfg, s = self.cfg, self.session
         c0 = cpu_now()

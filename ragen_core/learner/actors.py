@@ -39,9 +39,9 @@ import torch.distributed as dist
 
 from ragen_core.config.learner import LearnerConfig
 from ragen_core.errors import RagenError, ray_actor_lost
+from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.update import Learner
 from ragen_core.state_folder import state_dir
-from ragen_core.trajectory import TokenBatch
 
 __all__ = [
     "LearnerActor",

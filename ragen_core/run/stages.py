@@ -28,12 +28,13 @@ from ragen_core.config import RagenConfig, RolloutFilterConfig
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import record_tree, verify_tree
+from ragen_core.learner.batch import to_token_batch
 from ragen_core.run import stage_record
 from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
 from ragen_core.run.run_dir import RunDir, atomic_write_text, copy_tokenizer
 from ragen_core.run.session import Session
 from ragen_core.storage import as_os_error, write_error
-from ragen_core.trajectory import read_table, to_token_batch, write_table
+from ragen_core.trajectory import read_table, write_table
 
 
 def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:

@@ -1,8 +1,8 @@
 """MLflow tracking for ragen-flow: one MLflow run per training run, batched, resumable, fail-fast.
 
-This module and ``episode_traces`` (which it calls) are the only ones that import ``mlflow``
+This package and the run modules that log through it are the only ones that import ``mlflow``
 (docs/architecture.md, "Layers"), and they import it lazily, so that reading a ``TrackingConfig``
-costs nothing.
+(``ragen_core.config.tracking``) costs nothing.
 
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
 environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:

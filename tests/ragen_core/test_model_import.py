@@ -156,11 +156,12 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     run's learner does) whose log-probs match the rollout's and which updates the weights."""
     from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+    from ragen_core.learner.batch import to_token_batch
     from ragen_core.learner.update import Learner
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import run_rollouts
-    from ragen_core.trajectory import to_table, to_token_batch
+    from ragen_core.trajectory import to_table
 
     model, tok = policy
     groups = EnvGroups(
