@@ -75,8 +75,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Strict types on ragen_core/algorithms and the learner (learner.py, learner_config.py, critic.py,
-# checkpoint.py; config: [tool.mypy] in pyproject.toml).
+# Strict types on ragen_core/algorithms and the learner (learner/update.py, config/learner.py,
+# learner/critic.py, learner/checkpoint.py; config: [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(BIN)/mypy
 

@@ -9,7 +9,7 @@ sides on the machine it runs on, in one run:
   2 turns, 32 new tokens, temperature 1, same seeds) with :class:`~ragen_core.rollout.engine.HFEngine`
   over the float32 and the bf16 copy of the model, passes alternating, generated tokens per second of
   the whole call;
-- gap: one GRPO :meth:`~ragen_core.learner.Learner.step` of a float32 learner (loaded from the same
+- gap: one GRPO :meth:`~ragen_core.learner.update.Learner.step` of a float32 learner (loaded from the same
   folder, as a run's learner is) on each pass's trajectories; the step logs
   ``rollout/old_vs_rollout_logprob_diff``, the mean |learner log-prob - rollout log-prob| per trained
   token, which is the figure a run with ``rollout.dtype`` logs every iteration.
@@ -40,14 +40,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.learner import Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
-from ragen_core.models import load_policy
+from ragen_core.learner.batch import TokenBatch, to_token_batch
+from ragen_core.learner.update import Learner
+from ragen_core.models.policies import load_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
-from ragen_core.trajectory import TokenBatch, Trajectory, to_table, to_token_batch
+from ragen_core.trajectory import Trajectory, to_table
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".state" / "models" / "smollm2-135m-instruct"
 

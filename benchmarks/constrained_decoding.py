@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragen_core.config import load_config
 from ragen_core.env_groups import EnvGroups
-from ragen_core.models import policy_from_config
+from ragen_core.models.policies import policy_from_config
 from ragen_core.protocol import forced_prefix, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
 from ragen_core.rollout.engine import HFEngine, SamplingParams

@@ -75,7 +75,8 @@ def mlflow_history(state: Path, run: Path) -> tuple[str, list[int]]:
     uri = os.environ.get("FAULTS_TRACKING_URI") or f"sqlite:///{state.resolve() / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
-    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.keys import parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG
 
     run = client.get_run(run_id)
     return run.info.status, sorted(parse_steps(run.data.tags.get(LOGGED_STEPS_TAG, "")))

@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from ragen_core.critic import ValueModel
-from ragen_core.learner import Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
-from ragen_core.trajectory import TokenBatch
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
+from ragen_core.learner.batch import TokenBatch
+from ragen_core.learner.critic import ValueModel
+from ragen_core.learner.update import Learner
 
 TARGET = 0.8
 TARGET_REAL = 0.9
@@ -58,7 +58,7 @@ MODEL: str | None = None
 
 def build_model(seed: int = 0) -> torch.nn.Module:
     if MODEL is not None:
-        from ragen_core.models import load_policy
+        from ragen_core.models.policies import load_policy
 
         return load_policy(MODEL)[0]
     torch.manual_seed(seed)

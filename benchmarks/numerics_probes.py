@@ -26,7 +26,8 @@ import ragen_core  # noqa: F401  (pins the math libraries' code paths before tor
 # isort: split
 import torch
 
-from ragen_core.models import ModelConfig, build_tiny_model, env_corpus, train_tokenizer
+from ragen_core.config.model import ModelConfig
+from ragen_core.models.policies import build_tiny_model, env_corpus, train_tokenizer
 
 
 def digest(*tensors: torch.Tensor) -> str:

@@ -8,7 +8,7 @@
   and the DONE mark written, then the Echo-Trap monitor and the MLflow logging (one ``log_batch``,
   the Parquet artifact, sample transcripts appended to the run's table).
 - plain: the same library calls in a plain loop, in memory: ``RolloutWorker.rollout`` (the
-  trajectories table), the StarPO-S filter (``ragen_core.stages.select_rollouts``),
+  trajectories table), the StarPO-S filter (``ragen_core.run.stages.select_rollouts``),
   ``learner.step(to_token_batch(kept rows))``, the weight sync; the same validation rollout at the
   last iteration. No Prefect, no MLflow, no Parquet, no checkpoints.
 
@@ -152,17 +152,9 @@ LABELS = [
 def instrument(clock: Clock) -> None:
     import prefect.results
 
-    from ragen_core import (
-        actors,
-        log_process,
-        run_dir,
-        session,
-        stage_record,
-        stages,
-        step_log,
-        tracking,
-        training,
-    )
+    from ragen_core.learner import actors
+    from ragen_core.run import log_process, run_dir, session, stage_record, stages, step_log, training
+    from ragen_core.tracking import tracker
 
     clock.wrap(
         session.Session, "call_worker", "worker rollout", when=lambda self, method, *a: method == "rollout"
@@ -186,12 +178,12 @@ def instrument(clock: Clock) -> None:
     clock.wrap(prefect.results.ResultStore, "persist_result_record", "result persistence")
     clock.wrap(prefect.results.ResultStore, "exists", "cache lookups")
     clock.wrap(prefect.results.ResultStore, "read", "cache lookups")
-    clock.wrap(tracking.Tracker, "log_iteration", "log_iteration (log_batch)")
-    clock.wrap(tracking.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
-    clock.wrap(tracking.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
-    clock.wrap(tracking.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracker.Tracker, "log_iteration", "log_iteration (log_batch)")
+    clock.wrap(tracker.Tracker, "log_artifact", "artifact upload (rollouts/eval Parquet)")
+    clock.wrap(tracker.Tracker, "log_transcripts", "transcripts (read Parquet, HTML page, log_table)")
+    clock.wrap(tracker.Tracker, "log_text", "transcripts (read Parquet, HTML page, log_table)")
     clock.wrap(step_log, "transcript_rows", "transcripts (read Parquet, HTML page, log_table)")
-    clock.wrap(tracking.Tracker, "log_episode_traces", "episode traces")
+    clock.wrap(tracker.Tracker, "log_episode_traces", "episode traces")
     clock.wrap(training, "log_kept_models", "logged models (once, at the end)")
     import flows.reporting
     import flows.train
@@ -245,7 +237,7 @@ class ChildCPU:
 
 
 SERVER_CPU = ChildCPU(b"prefect")
-LOGGING_CPU = ChildCPU(b"ragen_core.log_process")
+LOGGING_CPU = ChildCPU(b"ragen_core.run.log_process")
 
 
 def cpu_now() -> tuple[float, float]:
@@ -313,8 +305,8 @@ def bench_config(
 
 def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
     """The SFT warm start of ``cfg``, cached by (model, sft, agent) config; (path, seconds, cached)."""
-    from ragen_core.run_dir import RunDir
-    from ragen_core.stages import init_policy_stage
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.run.stages import init_policy_stage
 
     key = hashlib.sha256(
         json.dumps(
@@ -344,7 +336,7 @@ def warm_start_once(cfg: Any, fresh: bool) -> tuple[Path, float, bool]:
 
 
 def new_run(cfg: Any, name: str, init_policy: Path) -> Any:
-    from ragen_core.run_dir import create_run
+    from ragen_core.run.run_dir import create_run
 
     run = create_run(cfg, name)
     shutil.copytree(init_policy, run.init_policy)
@@ -356,7 +348,7 @@ class Plain:
     """The plain loop's iterations, one call per iteration, on its own live Session."""
 
     def __init__(self, cfg: Any, run: Any, backend: str) -> None:
-        from ragen_core.session import Session
+        from ragen_core.run.session import Session
 
         t0 = time.perf_counter()
         self.session = Session(cfg, run, backend=backend)
@@ -372,9 +364,9 @@ class Plain:
         import pyarrow as pa
         import torch
 
-        from ragen_core.collapse_probe import collapse_due, collapse_metrics
-        from ragen_core.stages import eval_due, sampling_params, select_rollouts
-        from ragen_core.trajectory import to_token_batch
+        from ragen_core.learner.batch import to_token_batch
+        from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
+        from ragen_core.run.stages import eval_due, sampling_params, select_rollouts
 
         cfg, s = self.cfg, self.session
         c0 = cpu_now()
@@ -422,7 +414,7 @@ class Plain:
 def compare(cfg: Any, init_policy: Path, backend: str, clock: Clock, profile: bool) -> dict[str, Any]:  # noqa: C901 - the ABBA timing harness wraps every hook of the flow in one closure scope
     """Run the train flow on one run directory with the plain loop interleaved; returns all timings."""
     import flows.train as ft
-    from ragen_core import step_log, training
+    from ragen_core.run import step_log, training
 
     n = cfg.trainer.iterations
     flow_run = new_run(cfg, f"bench-flow-{backend}", init_policy)

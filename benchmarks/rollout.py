@@ -50,8 +50,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.models import ModelConfig, build_tiny_policy
+from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
@@ -227,7 +228,7 @@ def vllm_vs_hf(
     """Whole ``run_rollouts`` calls with each backend, alternating; prints both; vllm/hf tok/s."""
     import tempfile
 
-    from ragen_core.models import save_policy
+    from ragen_core.models.policies import save_policy
     from ragen_core.rollout.vllm_engine import engine_from_policy
 
     ncpu = threads or os.cpu_count() or 1
@@ -328,7 +329,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.model:
-        from ragen_core.models import load_policy
+        from ragen_core.models.policies import load_policy
 
         model, tok = load_policy(args.model)
     else:

@@ -539,11 +539,11 @@ def train(
 
     _prepare()
     from ragen_core.config import DEFAULT_CONFIG, load_config
-    from ragen_core.preflight import preflight
-    from ragen_core.resume import resume_config
-    from ragen_core.run_dir import find_run, run_name
-    from ragen_core.run_lock import RunLock
-    from ragen_core.stages import check_resumable
+    from ragen_core.run.preflight import preflight
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_dir import find_run, run_name
+    from ragen_core.run.run_lock import RunLock
+    from ragen_core.run.stages import check_resumable
 
     # Input errors fail here, before Prefect, Ray or a model starts (the command wrapper prints them).
     if resume is None:
@@ -571,7 +571,7 @@ def train(
     )  # type: ignore[arg-type]
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     run = RunDir(run_dir)
     cfg = run.config()
@@ -600,8 +600,8 @@ def probe(
     """Check, before training, that RL can learn from the config's starting policy: go / no-go."""
     _prepare()
     from ragen_core.config import load_config
-    from ragen_core.probe import probe as run_probe
-    from ragen_core.probe import record_probe
+    from ragen_core.run.probe import probe as run_probe
+    from ragen_core.run.probe import record_probe
 
     cfg = load_config(config, set_ or [])
     if cfg.sft is not None:
@@ -633,7 +633,7 @@ def success_per_tag(
 def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
     """Where to look next, with the commands that do it."""
     run_id, last = result["run_id"], result["last_iteration"]
-    from ragen_core.tracking import LOCAL_UI_URL
+    from ragen_core.tracking.tracker import LOCAL_UI_URL
 
     url = result.get("mlflow_url")
     lines = ["next:"]
@@ -693,7 +693,7 @@ def evaluate(
     Success is reported per tag; tags the run did not train on are marked held out.
     """
     _prepare()
-    from ragen_core.policy_ref import locate_policy
+    from ragen_core.models.policy_ref import locate_policy
 
     # Before Prefect, MLflow or torch load (seconds): an unknown run or model fails at once.
     locate_policy(policy)
@@ -765,7 +765,7 @@ def rerun(
     _prepare()
     from flows.rerun import RerunRequest, check_rerun
     from flows.rerun import rerun as rerun_flow
-    from ragen_core.run_dir import find_run
+    from ragen_core.run.run_dir import find_run
 
     check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
@@ -928,8 +928,10 @@ def sweep_report(
 ) -> None:
     """Regenerate a sweep's comparison report from MLflow alone (report.md, report.json, PNG curves)."""
     state = _prepare()
+    from ragen_core.config.tracking import TrackingConfig
     from ragen_core.sweep.report import build_report
-    from ragen_core.tracking import Tracker, TrackingConfig, TrackingError
+    from ragen_core.tracking.offline import TrackingError
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         tracker = Tracker(TrackingConfig(tracking_uri=tracking_uri), state)
@@ -989,7 +991,7 @@ def model_import(
     """
     import time
 
-    from ragen_core.model_import import import_gguf
+    from ragen_core.models.importing import import_gguf
 
     t0 = time.perf_counter()
     result = import_gguf(
@@ -1079,7 +1081,7 @@ def ui(
                 f"listens there or pass another port: ragen ui {option} N"
             )
     state = _prepare()
-    from ragen_core.tracking import TrackingConfig, resolve_tracking_uri
+    from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri
 
     uri = resolve_tracking_uri(TrackingConfig(), state)
     bin_dir = Path(sys.executable).parent
@@ -1220,7 +1222,8 @@ def doctor() -> None:
         out.print(f"[green]ok[/]   vllm {check_vllm()} under {vllm_python()} (rollout.engine=vllm)")
     except (VLLMUnavailableError, OSError, subprocess.TimeoutExpired) as exc:
         out.print(f"[yellow]--[/]   rollout.engine=vllm unavailable: {exc}; rollout.engine=hf works")
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         tracker = Tracker(TrackingConfig(), state)
@@ -1232,7 +1235,7 @@ def doctor() -> None:
     try:
         import ray
 
-        from ragen_core.actors import init_ray
+        from ragen_core.learner.actors import init_ray
 
         resources = init_ray()
         import os

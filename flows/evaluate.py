@@ -14,14 +14,14 @@ from pydantic import BaseModel, Field
 
 from flows.reporting import artifact_key, progress_logger
 from flows.settings import configure_environment
-from ragen_core.checkpoint import verify_checkpoint
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.policy_ref import locate_policy
+from ragen_core.learner.checkpoint import verify_checkpoint
+from ragen_core.models.policy_ref import locate_policy
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.run_dir import RunDir, atomic_write_text
-from ragen_core.stages import check_init_policy
+from ragen_core.run.run_dir import RunDir, atomic_write_text
+from ragen_core.run.stages import check_init_policy
 from ragen_core.trajectory import write_table
 
 
@@ -119,7 +119,7 @@ def resolve_policy(spec: str) -> Policy:
     """The policy ``spec`` names: a run reference (with the run's protocol, max_new_tokens and tags) or
     a model (which has none of its own).
 
-    An unknown reference fails at once (``ragen_core.policy_ref``: nothing heavy is loaded to find
+    An unknown reference fails at once (``ragen_core.models.policy_ref``: nothing heavy is loaded to find
     out); ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them).
     """
     ref = locate_policy(spec)
@@ -157,9 +157,10 @@ def resolve_policy(spec: str) -> Policy:
 def _registered_policy(uri: str) -> Policy:
     """``models:/<run id>@best`` (or ``/<version>``): the registered LoggedModel's run and step when the
     run is on this machine (so it plays as that run does), else its downloaded files as a model."""
-    from ragen_core.logged_models import ModelURIError, resolve_model_uri
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.run.logged_models import ModelURIError, resolve_model_uri
     from ragen_core.state_folder import locate_run, models_dir, state_dir
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
 
     try:
         got = resolve_model_uri(uri, Tracker(TrackingConfig(), state_dir()), models_dir() / "registry")
@@ -267,7 +268,8 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
     mlflow_run, tracking, parent = None, None, None
     if request.log_to_mlflow:
-        from ragen_core.tracking import Tracker, TrackingConfig
+        from ragen_core.config.tracking import TrackingConfig
+        from ragen_core.tracking.tracker import Tracker
 
         tracking, parent = TrackingConfig(experiment=EVAL_EXPERIMENT), None
         if resolved.run_dir is not None:  # nested under the training run, in its experiment
@@ -305,7 +307,7 @@ def evaluate(request: EvaluateRequest) -> dict[str, object]:
 def link_metrics(tracker: Any, model_id: str, metrics: dict[str, float]) -> None:
     """The evaluation's metrics (step 0) linked to the LoggedModel it evaluated; a failing store takes the
     tracker offline, as its own calls do."""
-    from ragen_core.logged_models import link_metrics as link
+    from ragen_core.run.logged_models import link_metrics as link
 
     try:
         link(tracker.client, tracker.run_id, model_id, metrics, 0, int(time.time() * 1000))

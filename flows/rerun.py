@@ -9,8 +9,8 @@ from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
 from ragen_core.errors import RagenError
-from ragen_core.rerun import rerun_stage
-from ragen_core.run_dir import RunDir, find_run
+from ragen_core.run.rerun import rerun_stage
+from ragen_core.run.run_dir import RunDir, find_run
 
 
 class RerunError(RagenError):

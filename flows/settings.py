@@ -4,7 +4,7 @@ Embedded defaults (README's main job): Prefect starts an ephemeral local server 
 ``.state/prefect``; MLflow writes a local SQLite store in ``.state``; no telemetry anywhere; no
 downloads. Anything already set in the environment wins (e.g. ``PREFECT_API_URL`` or
 ``MLFLOW_TRACKING_URI`` pointing at real servers). Ray's settings (loopback, token auth) are made
-where the cluster starts, in ``ragen_core.actors.init_ray``.
+where the cluster starts, in ``ragen_core.learner.actors.init_ray``.
 
 ``configure_environment`` also starts a watchdog (Linux): the child servers of this process (the
 ephemeral Prefect server, Ray's GCS, raylet, agents and workers, a vLLM engine, ``ragen ui``'s

@@ -60,6 +60,7 @@ from pydantic import BaseModel, Field
 from flows.reporting import name_flow_run, report_artifact
 from flows.settings import configure_environment
 from flows.train import TrainRequest
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.sweep.report import build_report
 from ragen_core.sweep.spec import (
     Member,
@@ -84,7 +85,7 @@ from ragen_core.sweep.tags import (
     SWEEP_HASH_TAG,
     SWEEP_TAG,
 )
-from ragen_core.tracking import Tracker, TrackingConfig
+from ragen_core.tracking.tracker import Tracker
 
 TrainFn = Callable[[TrainRequest], Mapping[str, Any]]
 
@@ -129,7 +130,7 @@ def _error_text(exc: BaseException) -> str:
 def subprocess_train(request: TrainRequest, log_file: Path) -> dict[str, Any]:
     """Train one member in its own process (``ragen train --resume <run dir>``); the run directory
     and its ``run.json`` (with the MLflow child run id) must exist already."""
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     assert request.resume, "subprocess members resume a prepared run directory"
     log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -295,7 +296,7 @@ class _Sweep:
 
     def prepare(self, m: Member) -> TrainRequest:
         """The member's run directory and child run (created once; reused when resuming)."""
-        from ragen_core.run_dir import RunDir, create_run
+        from ragen_core.run.run_dir import RunDir, create_run
 
         cfg = self.configs[m.key]
         e = self.entry(m.key)
@@ -526,7 +527,7 @@ class WorkerDispatch:
         return flow_run.id
 
     def _finish(self, m: Member, flow_run_id: Any, state: Any) -> None:
-        from ragen_core.run_dir import RunDir
+        from ragen_core.run.run_dir import RunDir
 
         if state.is_completed():
             run = RunDir(self.sweep.entry(m.key).run_dir or "")

@@ -4,8 +4,8 @@
 each iteration groups four tasks (rollout -> filter -> learn -> evaluate), as a subflow of its own
 (``trainer.iteration_as: subflow``, the default) or as a parent task run that nests them (``task``:
 no API round trips, for tiny configs whose iterations take a second). This module only composes:
-the stages are ``ragen_core.stages`` (as the tasks of ``tasks.stages``), and the loop with its
-decisions (resume, re-logging, Echo-Trap stop and rollback, best step) is ``ragen_core.training``.
+the stages are ``ragen_core.run.stages`` (as the tasks of ``tasks.stages``), and the loop with its
+decisions (resume, re-logging, Echo-Trap stop and rollback, best step) is ``ragen_core.run.training``.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from pydantic import BaseModel, Field
 from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, progress_logger
 from flows.settings import configure_environment, deprioritise_ephemeral_server
 from ragen_core.config import RagenConfig
-from ragen_core.run_dir import RunDir
-from ragen_core.session import Session
-from ragen_core.stages import (
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.session import Session
+from ragen_core.run.stages import (
     eval_due,
     finish_iteration,
     init_policy_stage,
     prune_optimizer_states,
     rollout_ahead,
 )
-from ragen_core.training import Training, open_run
+from ragen_core.run.training import Training, open_run
 from tasks.stages import (
     drop_session,
     evaluate_task,
@@ -141,7 +141,7 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
     """Train (or resume) a run; returns its run id, MLflow run id and final metrics.
 
     Everything that can be checked is checked before anything is written, and the run stays locked
-    until the flow returns (``ragen_core.training.open_run``); the loop's decisions (where to start,
+    until the flow returns (``ragen_core.run.training.open_run``); the loop's decisions (where to start,
     what to re-log, when to stop or roll back, the best step) are the library's (``Training``).
     """
     request = request or TrainRequest()

@@ -39,12 +39,12 @@ class RagenError(Exception):
 #: (module, class name) of user-error classes that do not subclass :class:`RagenError` (yet).
 KNOWN_USER_ERRORS: tuple[tuple[str, str], ...] = (
     ("ragen_core.config", "ConfigError"),
-    ("ragen_core.preflight", "PreflightError"),
+    ("ragen_core.run.preflight", "PreflightError"),
     ("ragen_core.trajectory", "TrajectoryFileError"),
-    ("ragen_core.checkpoint", "CheckpointError"),
-    ("ragen_core.tracking", "TrackingError"),
+    ("ragen_core.learner.checkpoint", "CheckpointError"),
+    ("ragen_core.tracking.offline", "TrackingError"),
     ("ragen_core.sweep.spec", "SweepError"),
-    ("ragen_core.models", "ModelNotFoundError"),
+    ("ragen_core.config.model", "ModelNotFoundError"),
     ("ragen_core.rollout.vllm_engine", "VLLMUnavailableError"),
     ("ragen_core.rollout.engine", "PromptTooLongError"),
     ("envs.registry", "UnknownEnvError"),

@@ -152,7 +152,7 @@ class MonitorConfig(BaseModel):
     )
     val_drop_checks: int = Field(default=2, ge=1, description="validations in a row below the ratio")
 
-    # The collapse metrics (ragen_core/collapse_probe.py): measured, logged as collapse/*, not a signal.
+    # The collapse metrics (ragen_core/run/collapse_probe.py): measured, logged as collapse/*, not a signal.
     # RAGEN-2's compute_freq (config/base.yaml): the cost is measured in docs/metrics.md, "Collapse metrics".
     collapse_every: int = Field(
         default=5,

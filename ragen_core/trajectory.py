@@ -18,14 +18,13 @@ import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from ragen_core.integrity import CorruptFileError, file_key, record, recorded, verify
 from ragen_core.storage import write_error
@@ -281,87 +280,3 @@ def from_table(table: pa.Table) -> list[Trajectory]:
         r["info"] = json.loads(r["info"]) if r["info"] else {}
         out.append(Trajectory(**r))
     return out
-
-
-@dataclass
-class TokenBatch:
-    """The learner's view of a trajectory table: right-padded tensors, one row per trajectory."""
-
-    input_ids: torch.Tensor  # (B, L) int64, pad 0
-    attention_mask: torch.Tensor  # (B, L) int64
-    loss_mask: torch.Tensor  # (B, L) float32: 1 on sampled (trained) tokens
-    turn_index: torch.Tensor  # (B, L) int64
-    rollout_logprobs: torch.Tensor  # (B, L) float32, 0 outside the loss mask
-    scores: torch.Tensor  # (B,) float32
-    group_ids: torch.Tensor  # (B,) int64
-    #: (B, K) float32: env reward + format penalty of each *trained* assistant turn, 0-padded
-    #: (bi-level GAE; column k is the k-th trained turn of the row)
-    turn_scores: torch.Tensor | None = None
-    #: (B,) the environment tag of each row (reward normalisation with grouping ``inductive``)
-    env_tags: tuple[str, ...] | None = None
-    #: (B, L, K) int64: the token ids each token was sampled among under constrained decoding, -1-padded;
-    #: a position whose row is all -1 was sampled from the whole vocabulary. None: no constrained token
-    allowed_token_ids: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def _pad(rows: Sequence[Sequence[float | int]], length: int, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros((len(rows), length), dtype=dtype)
-    for i, r in enumerate(rows):
-        if len(r):
-            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
-    return out
-
-
-def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
-    """Right-padded tensors from a trajectory table (or its ``to_pydict()``)."""
-    cols = table.to_pydict() if isinstance(table, pa.Table) else table
-    ids = cols["input_ids"]
-    length = max((len(r) for r in ids), default=0)
-    lengths = torch.tensor([len(r) for r in ids], dtype=torch.int64)
-    attention = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    infos = _info(cols)  # parsed once: the turn scores and the allowed ids both read it
-    return TokenBatch(
-        input_ids=_pad(ids, length, torch.int64),
-        attention_mask=attention,
-        loss_mask=_pad(cols["loss_mask"], length, torch.float32),
-        turn_index=_pad(cols["turn_index"], length, torch.int64),
-        rollout_logprobs=_pad(cols["rollout_logprobs"], length, torch.float32),
-        scores=torch.tensor(cols["score"], dtype=torch.float32),
-        group_ids=torch.tensor(cols["group_id"], dtype=torch.int64),
-        turn_scores=_turn_scores(cols["turn_rewards"], infos) if "turn_rewards" in cols else None,
-        env_tags=tuple(cols["env_tag"]) if "env_tag" in cols else None,
-        allowed_token_ids=_allowed_token_ids(infos, length),
-    )
-
-
-def _info(cols: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    infos = cols.get("info") or [None] * len(cols["input_ids"])
-    return [json.loads(i) if isinstance(i, str) and i else (i or {}) for i in infos]
-
-
-def _allowed_token_ids(infos: Sequence[dict[str, Any]], length: int) -> torch.Tensor | None:
-    """The constrained tokens' allowed ids (``info["allowed_token_ids"]``: ``[position, ids]`` pairs) as
-    a ``(B, length, K)`` tensor padded with -1; None when no row has any (free decoding)."""
-    rows = [meta.get("allowed_token_ids") or [] for meta in infos]
-    width = max((len(ids) for row in rows for _, ids in row), default=0)
-    if width == 0:
-        return None
-    out = torch.full((len(rows), length, width), -1, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        for pos, ids in row:
-            out[i, pos, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    return out
-
-
-def _turn_scores(turn_rewards: Sequence[Sequence[float]], infos: Sequence[dict[str, Any]]) -> torch.Tensor:
-    """Per trained turn: its env reward plus its format penalty (turns outside the context window
-    were not trained and are left out)."""
-    rows = []
-    for rewards, meta in zip(turn_rewards, infos, strict=True):
-        penalties = meta.get("turn_penalties") or [0.0] * len(rewards)
-        first = int(meta.get("first_trained_turn", 0))
-        rows.append([r + p for r, p in zip(rewards, penalties, strict=True)][first:])
-    return _pad(rows, max((len(r) for r in rows), default=0), torch.float32)

@@ -1,8 +1,8 @@
-"""Prefect tasks: thin wrappers over the stages of ``ragen_core.stages``.
+"""Prefect tasks: thin wrappers over the stages of ``ragen_core.run.stages``.
 
 Tasks take the run directory and an iteration and return paths and small metric dicts. They keep
 no Prefect cache and persist no result: whether a stage's stored output can be reused is decided
-by the library from the run directory alone (``ragen_core.stage_record``: only this run's outputs,
+by the library from the run directory alone (``ragen_core.run.stage_record``: only this run's outputs,
 only while they match their recorded digests and inputs), so a resumed run never takes another
 run's result, and no pickled result is ever read back. The live rollout worker and learner are not
 task inputs: they are looked up in the session registry of this process, beside what the run wants
@@ -18,10 +18,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ragen_core import stages
 from ragen_core.errors import ray_actor_lost
-from ragen_core.run_dir import RunDir
-from ragen_core.session import Session
+from ragen_core.run import stages
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.session import Session
 
 _SESSIONS: dict[str, Session] = {}
 _ROLLOUTS_JUDGED: dict[str, Callable[[int], None]] = {}

@@ -1,4 +1,5 @@
-"""The layers import one way (envs < ragen_core < tasks < flows), and no modules import each other in a cycle.
+"""The layers import one way (envs < ragen_core < tasks < flows), inside ``ragen_core`` each subpackage
+imports only those below it (``CORE_LAYERS``), and no modules import each other in a cycle.
 
 Read from the source with ``ast`` (nothing is imported). Every import counts, also one inside a function:
 a function-level import hides a cycle from Python, not from the design.
@@ -56,6 +57,48 @@ def _layer(module: str) -> int:
     return LAYERS.index(module.split(".")[0])
 
 
+#: Which parts of ``ragen_core`` each part may import (besides itself). ``base`` is every module directly
+#: in ``ragen_core/``: the errors, the state folder, integrity and storage, the agent protocol, the env
+#: groups, the trajectory table, the Echo-Trap monitor and the algorithms' mode names; it imports only
+#: itself. docs/architecture.md, "Layers", draws the same table.
+CORE_LAYERS: dict[str, set[str]] = {
+    "base": set(),
+    "algorithms": {"base"},
+    "config": {"base"},
+    "models": {"base", "config"},
+    "rollout": {"base", "algorithms", "models"},
+    "learner": {"base", "algorithms", "config", "models", "rollout"},
+    "tracking": {"base", "config"},
+    "run": {"base", "algorithms", "config", "models", "rollout", "learner", "tracking"},
+    "sweep": {"base", "config", "tracking", "run"},
+}
+
+
+def _core_part(module: str) -> str:
+    """The part of ``ragen_core`` a module of it belongs to: its subpackage, or ``base``."""
+    parts = module.split(".")
+    return (
+        parts[1]
+        if len(parts) > 2 or (len(parts) == 2 and (ROOT / "ragen_core" / parts[1]).is_dir())
+        else "base"
+    )
+
+
+def _core_violations(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for name, path in modules.items():
+        if not name.startswith("ragen_core"):
+            continue
+        part = _core_part(name)
+        for resolved in sorted({_resolve(t, modules) or "" for t in _imports(path, name)}):
+            if not resolved.startswith("ragen_core"):
+                continue
+            other = _core_part(resolved)
+            if other != part and other not in CORE_LAYERS[part]:
+                bad.append(f"{name} ({part}) imports {resolved} ({other})")
+    return bad
+
+
 def test_no_import_points_up_a_layer() -> None:
     modules = _modules()
     upward = []
@@ -67,6 +110,27 @@ def test_no_import_points_up_a_layer() -> None:
     assert not upward, "imports pointing up a layer (envs < ragen_core < tasks < flows):\n" + "\n".join(
         upward
     )
+
+
+def test_every_core_subpackage_has_a_row() -> None:
+    """A new subpackage of ``ragen_core`` states what it may import."""
+    found = {p.name for p in (ROOT / "ragen_core").iterdir() if (p / "__init__.py").is_file()}
+    assert found | {"base"} == set(CORE_LAYERS), (
+        f"add a row to CORE_LAYERS for {sorted(found - set(CORE_LAYERS))}"
+    )
+
+
+def test_core_subpackages_import_only_those_below() -> None:
+    bad = _core_violations(_modules())
+    assert not bad, "imports CORE_LAYERS does not allow:\n" + "\n".join(bad)
+
+
+def test_the_core_check_sees_a_forbidden_import(tmp_path: Path) -> None:
+    """The check itself: a config module importing the learner is reported."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from ragen_core.learner.update import Learner\n")
+    found = _core_violations({"ragen_core.config.probe": path, **_modules()})
+    assert found == ["ragen_core.config.probe (config) imports ragen_core.learner.update (learner)"]
 
 
 def test_no_import_cycle() -> None:

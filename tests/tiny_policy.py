@@ -8,7 +8,8 @@ from typing import Any
 
 def smallest_policy() -> tuple[Any, Any]:
     """(model, tokenizer), the same every call (seeded)."""
-    from ragen_core.models import ModelConfig, build_tiny_policy
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import build_tiny_policy
 
     return build_tiny_policy(
         ModelConfig(

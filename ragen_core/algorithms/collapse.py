@@ -13,7 +13,7 @@ response z_i, column j a prompt x_j of the sample, entry ``ℓ[i, j] = Σ_t log 
 - retrieval accuracy@k: the share of responses whose own prompt is among the k columns that explain
   them best; chance is k / P.
 
-Pure torch, no model: the model-facing part (computing ℓ) is ``ragen_core.collapse_probe``.
+Pure torch, no model: the model-facing part (computing ℓ) is ``ragen_core.run.collapse_probe``.
 """
 
 from __future__ import annotations

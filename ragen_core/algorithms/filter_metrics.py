@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from ragen_core.algorithm_modes import FILTER_METRICS, SPREAD_FILTER_METRICS, TOKEN_FILTER_METRICS
 from ragen_core.algorithms._utils import (
     as_float,
     check_finite,
@@ -32,13 +33,6 @@ __all__ = [
     "response_lengths",
     "sampled_token_entropy",
 ]
-
-#: Every metric, in RAGEN-2's spelling.
-FILTER_METRICS = ("reward_variance", "reward", "reward_sum", "entropy", "entropy_variance", "length")
-#: The metrics read from the token tensors (log-probs and loss mask) rather than the scores.
-TOKEN_FILTER_METRICS = ("entropy", "entropy_variance", "length")
-#: The metrics that are an in-group spread: undefined (NaN) for a group of one trajectory.
-SPREAD_FILTER_METRICS = ("reward_variance", "entropy_variance")
 
 
 def _values_1d(values: torch.Tensor, what: str) -> torch.Tensor:

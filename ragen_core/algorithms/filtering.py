@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from decimal import ROUND_HALF_UP, Decimal
 from typing import NamedTuple
 
 import torch
 
+from ragen_core.algorithm_modes import kept_group_count
 from ragen_core.algorithms._utils import as_float, check_finite, check_ndim, group_index, group_moments
 from ragen_core.algorithms.filter_metrics import group_filter_metric
 
@@ -74,22 +74,6 @@ def _mask(n: int, chosen: Sequence[int]) -> torch.Tensor:
     out = torch.zeros(n, dtype=torch.bool)
     out[list(chosen)] = True
     return out
-
-
-def kept_group_count(ratio: float, n_groups: int) -> int:
-    """How many of ``n_groups`` groups the filter keeps at ``ratio``: the one rounding rule.
-
-        k = max(1, round_half_up(ratio · G))     (0.25·8 = 2, 0.5·5 = 3, 0.58·25 = 15)
-
-    The product is taken in decimal, as the ratio is written (``0.58``), not in binary floating
-    point, where 0.58·25 = 14.499999999999998 would round down. ``n_groups == 0`` keeps 0.
-    """
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"rollout_filter_ratio must be in (0, 1], got {ratio}")
-    if n_groups <= 0:
-        return 0
-    exact = Decimal(repr(float(ratio))) * n_groups
-    return max(1, int(exact.to_integral_value(rounding=ROUND_HALF_UP)))
 
 
 def top_k_groups(values: torch.Tensor, k: int, keep: str = "largest") -> torch.Tensor:

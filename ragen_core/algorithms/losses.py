@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ragen_core.algorithm_modes import AGG_MODES, KL_KINDS
 from ragen_core.algorithms._utils import check_same_shape
 
 __all__ = [
@@ -24,11 +25,6 @@ __all__ = [
     "policy_loss",
     "value_loss",
 ]
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-# Canonical KL estimator names and the veRL aliases accepted for them.
-KL_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
 
 _MAX_LOG_RATIO = 20.0  # log-ratios are clamped to ±20 before exp (as veRL) so that exp stays finite
 

@@ -40,7 +40,7 @@ class RolloutWorker:
         engine_options: Mapping[str, Any] | None = None,
         dtype: str = "float32",
     ) -> None:
-        from ragen_core.models import load_policy
+        from ragen_core.models.policies import load_policy
 
         if os.environ.get(PROGRESS_ENV) == "1":
             show_progress_lines()
@@ -54,7 +54,7 @@ class RolloutWorker:
             )
         elif engine == "vllm":
             # vLLM holds the weights in its own process: only the tokenizer is loaded here
-            from ragen_core.models import load_tokenizer
+            from ragen_core.models.policies import load_tokenizer
             from ragen_core.rollout.vllm_engine import engine_from_policy
 
             self.model = None
@@ -83,13 +83,13 @@ class RolloutWorker:
         if (path / "adapter_config.json").exists():
             from peft import PeftModel
 
-            from ragen_core.models import load_policy
+            from ragen_core.models.policies import load_policy
 
             base, _ = load_policy(self.policy_path, dtype=self.dtype)
             merged = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
             self.engine.update_weights(merged.state_dict())
             return
-        from ragen_core.models import load_weight_files
+        from ragen_core.models.policies import load_weight_files
 
         self.engine.update_weights(load_weight_files(path))
 

@@ -4,9 +4,9 @@
 (``ragen_core.sweep.tags``), status, start/end times and metric histories. No run directory is read,
 so ``ragen sweep report PARENT_RUN_ID`` works on any machine that sees the tracking store.
 ``Report.write`` turns it into ``report.md``, ``report.json`` and the curves, drawn by
-``ragen_core.plotting`` like a single run's.
+``ragen_core.tracking.plotting`` like a single run's.
 
-No MLflow import here (docs/architecture.md, "Layers"): the store is reached through ``ragen_core.tracking``.
+No MLflow import here (docs/architecture.md, "Layers"): the store is reached through ``ragen_core.tracking.tracker``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.monitor import MonitorConfig, detect
-from ragen_core.plotting import render_group_curves
 from ragen_core.state_folder import state_dir
 from ragen_core.sweep.spec import DEFAULT_COMPARE, slug
 from ragen_core.sweep.tags import (
@@ -39,15 +39,9 @@ from ragen_core.sweep.tags import (
     SEED_TAG,
     SWEEP_TAG,
 )
-from ragen_core.tracking import (
-    ITERATION_KEY,
-    LOGGED_STEPS_TAG,
-    PARENT_TAG,
-    Tracker,
-    TrackingConfig,
-    metric_key,
-    parse_steps,
-)
+from ragen_core.tracking.keys import metric_key, parse_steps
+from ragen_core.tracking.plotting import render_group_curves
+from ragen_core.tracking.tracker import ITERATION_KEY, LOGGED_STEPS_TAG, PARENT_TAG, Tracker
 
 #: training statistics drawn for every group besides the compared metrics (the paper's figures)
 CURVE_KEYS = ["rollout/in_group_std", "actor/entropy", "actor/grad_norm", "response_length/mean"]
@@ -429,10 +423,10 @@ _TITLES = {
 
 
 def render_curves(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Overlaid group curves like the paper's figures 5-11 (``ragen_core.plotting``): one PNG per
+    """Overlaid group curves like the paper's figures 5-11 (``ragen_core.tracking.plotting``): one PNG per
     compare key (validation success, drawn raw) and per training statistic (an EMA over the faint raw
     mean), the std over seeds shaded, plus ``overview.png``. Only the panels are chosen here: the
-    drawing is ``ragen_core.plotting``'s, shared with a single run's plots."""
+    drawing is ``ragen_core.tracking.plotting``'s, shared with a single run's plots."""
 
     def stem(key: str) -> str:
         return f"curve_{slug(metric_key(key).replace('/', '_'))}"

@@ -143,7 +143,7 @@ class Member:
     def run_name(self, sweep: SweepConfig) -> str:
         """Prefix of the member's run directory / run id (a valid run name: ``=`` and ``,`` of the key
         become ``-``; the run id's hash and random suffix keep it unique)."""
-        from ragen_core.run_dir import to_run_name
+        from ragen_core.run.run_dir import to_run_name
 
         return to_run_name(f"{sweep.name}.{self.key}") or "member"
 

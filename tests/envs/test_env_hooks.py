@@ -4,7 +4,7 @@ The warm start builds its demonstrations from these hooks, so their outputs are 
 built-in tag is played over a few seeds and each hook's output (and, for ``random_answer``, how many
 draws it took from the generator) is compared with ``env_hooks_golden.json``. That file was recorded by
 :func:`record` from the functions the hooks replaced (the ``kind ==`` switches of ``envs.oracles`` and
-``ragen_core.sft``): a change there changes the demonstrations, hence every warm-started run, so the
+``ragen_core.learner.sft``): a change there changes the demonstrations, hence every warm-started run, so the
 file is a specification, not a snapshot to refresh.
 """
 

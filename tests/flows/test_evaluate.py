@@ -57,7 +57,7 @@ def test_max_new_tokens_wins_and_a_run_or_config_protocol_applies_to_every_tag(t
 def test_evaluate_plays_tags_with_different_budgets_on_one_model(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from ragen_core.models import save_policy
+    from ragen_core.models.policies import save_policy
     from tests.tiny_policy import smallest_policy
 
     model, tok = smallest_policy()
@@ -95,7 +95,7 @@ def test_a_run_defaults_to_its_validation_tags_a_model_to_simple_sokoban(
 ) -> None:
     """`evaluate --tags` once defaulted to SimpleSokoban whatever the run trained on."""
     from ragen_core.config import dump_config, load_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path))
     run = RunDir(tmp_path / "runs" / "bandit-0123abcd-ef4567")

@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from flows.cli import app
-from ragen_core import model_import
+from ragen_core.models import importing
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
@@ -65,7 +65,8 @@ def test_bad_source_is_one_line_and_exit_1(tmp_path, make, expected):
 
 
 def test_import_then_again_says_where_it_is(tmp_path, monkeypatch):
-    from ragen_core.models import ModelConfig, build_tiny_policy, torch_dtype
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import build_tiny_policy, torch_dtype
 
     tiny = build_tiny_policy(
         ModelConfig(
@@ -77,7 +78,7 @@ def test_import_then_again_says_where_it_is(tmp_path, monkeypatch):
     def fake_load(gguf, dtype, template):  # what the conversion returns: the model in the asked dtype
         return copy.deepcopy(tiny[0]).to(torch_dtype(dtype)), tiny[1]
 
-    monkeypatch.setattr(model_import, "_load_converted", fake_load)
+    monkeypatch.setattr(importing, "_load_converted", fake_load)
     src = tiny_gguf(tmp_path / "Tiny-Chat.Q4_K_M.gguf")
     folder = tmp_path / "state" / "models" / "tiny-chat"
     first = invoke(tmp_path / "state", "model", "import", str(src))

@@ -29,8 +29,8 @@ def off_policy_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 
 def played_by(run_root: Path, k: int) -> int:
     """The iteration whose policy played iteration ``k``'s rollouts, from its stage record's digest."""
-    from ragen_core import stage_record
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run import stage_record
+    from ragen_core.run.run_dir import RunDir
 
     run = RunDir(run_root)
     found = [
@@ -57,8 +57,8 @@ def test_each_iteration_is_played_by_the_policy_before_the_last_update(
 def test_every_stage_of_an_off_policy_run_reruns_identical(
     off_policy_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from ragen_core.rerun import rerun_stage
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.rerun import rerun_stage
+    from ragen_core.run.run_dir import RunDir
 
     run = RunDir(off_policy_run[1])
     for k in (1, 2, 3):
@@ -91,8 +91,8 @@ def test_a_killed_off_policy_run_resumes_to_the_same_weights(
 def test_on_ray_the_next_rollouts_are_played_while_the_learner_updates(tmp_path: Path) -> None:
     """On the Ray backend the rollout actor plays iteration k + 1 during iteration k's learn stage: the
     two task runs overlap in Prefect's records. What they stored reruns identical on the same backend."""
-    from ragen_core.rerun import rerun_stage
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.rerun import rerun_stage
+    from ragen_core.run.run_dir import RunDir
 
     out = train(tmp_path, extra=(*OFF_POLICY, "trainer.backend=ray"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

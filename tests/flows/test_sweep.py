@@ -21,10 +21,11 @@ from mlflow.tracking import MlflowClient
 
 from flows.sweep import SweepRequest, run_sweep
 from flows.train import TrainRequest
-from ragen_core.run_dir import RunDir
+from ragen_core.config.tracking import TrackingConfig
+from ragen_core.run.run_dir import RunDir
 from ragen_core.sweep.state import SweepState
 from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
-from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
+from ragen_core.tracking.tracker import PARENT_TAG, Tracker
 from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
 from tests.ragen_core.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep

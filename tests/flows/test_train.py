@@ -117,7 +117,8 @@ def mlflow_steps(state: Path, run: Path) -> list[int]:
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
     run_id = json.loads((run / "run.json").read_text())["mlflow_run_id"]
     assert client.get_run(run_id).info.status == "FINISHED"
-    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.keys import parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG
 
     return sorted(parse_steps(client.get_run(run_id).data.tags[LOGGED_STEPS_TAG]))
 
@@ -195,9 +196,10 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
     ``models:/`` URI resolves to the run's own folder, or, where the run is not, to downloaded files."""
     from mlflow.tracking import MlflowClient
 
-    from ragen_core.logged_models import model_id_of, resolve_model_uri
-    from ragen_core.run_dir import RunDir
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.run.logged_models import model_id_of, resolve_model_uri
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.tracking.tracker import Tracker
 
     state, root = reference
     run = RunDir(root)
@@ -369,8 +371,8 @@ def test_a_rerun_of_the_learn_stage_scales_the_loss_as_the_run_did(tmp_path: Pat
     """rollout.filter.loss_scaling=linear: the learn stage scaled the advantages by the kept fraction
     of the groups (2 of 4 here); a rerun of that stage must take the same step, so it reruns identical
     (it once stepped unscaled and reported 'different')."""
-    from ragen_core.rerun import rerun_stage
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.rerun import rerun_stage
+    from ragen_core.run.run_dir import RunDir
 
     out = train(
         tmp_path,
@@ -388,8 +390,8 @@ def test_an_echo_trap_rollback_leaves_every_stored_iteration_rerunnable(tmp_path
     iteration 2 the run rolls back to iteration 1's state, and at 3 it stops (one rollback allowed).
     The rollback is a record of its own; no stored iteration is rewritten, so every stage of every
     stored iteration reruns identical, iteration 3's learn stage from iteration 1's state."""
-    from ragen_core.rerun import rerun_stage
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.rerun import rerun_stage
+    from ragen_core.run.run_dir import RunDir
 
     monitor = (
         "monitor.action=rollback",
@@ -448,8 +450,8 @@ def test_a_run_stored_before_the_renumbering_reruns_identical(
     import pyarrow.parquet as pq
 
     from ragen_core.integrity import record
-    from ragen_core.rerun import rerun_stage
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.rerun import rerun_stage
+    from ragen_core.run.run_dir import RunDir
     from ragen_core.trajectory import SCHEMA_VERSION_KEY
 
     copy = tmp_path / reference[1].name
@@ -481,8 +483,8 @@ def test_rerun_detects_a_changed_artifact(reference: tuple[Path, Path], tmp_path
     tensors[first] = tensors[first] + 1e-3
     safetensors.torch.save_file(tensors, str(ckpt))
     # A different but intact checkpoint: re-record its digest (unrecorded, it is reported as corrupt).
-    from ragen_core.checkpoint import manifest_digest
     from ragen_core.integrity import sha256_file
+    from ragen_core.learner.checkpoint import manifest_digest
 
     manifest = json.loads((ckpt.parents[1] / "manifest.json").read_text())
     manifest["files"]["policy/model.safetensors"] = sha256_file(ckpt)

@@ -9,8 +9,9 @@ import ray
 import torch
 from transformers import Qwen2ForCausalLM
 
-from ragen_core.actors import LearnerGroup, init_ray
-from ragen_core.learner import BadBatchError, Learner
+from ragen_core.learner.actors import LearnerGroup, init_ray
+from ragen_core.learner.batch import BadBatchError
+from ragen_core.learner.update import Learner
 from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy
 
 # Two epochs x two mini-batches (4 optimiser steps), one sequence per micro-batch, every loss term on.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ragen_core.config import ConfigError, load_config
-from ragen_core.run_dir import RunDir, atomic_write_text
-from ragen_core.stages import behaviour_policy, rollout_ahead
+from ragen_core.run.run_dir import RunDir, atomic_write_text
+from ragen_core.run.stages import behaviour_policy, rollout_ahead
 
 
 def run_with_rollback(tmp_path: Path, after: int, to: int) -> RunDir:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragen_core.checkpoint import CheckpointError, manifest_digest
-from ragen_core.learner import Learner
-from ragen_core.learner_config import LearnerConfig
+from ragen_core.config.learner import LearnerConfig
+from ragen_core.learner.checkpoint import CheckpointError, manifest_digest
+from ragen_core.learner.update import Learner
 from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,10 +235,10 @@ def test_pruned_optimizer_states_keep_the_weights_and_refuse_a_learner(tmp_path)
     """trainer.keep_optimizer_states=2 after iteration 4 of a run: iterations 1-2 lose optim.pt (and say
     why), 3-4 keep it; a pruned checkpoint still verifies (its weights are evaluated), a learner cannot
     load it, and damage to its weights is still caught."""
-    from ragen_core.checkpoint import OPTIM_PRUNED, verify_checkpoint
     from ragen_core.config import ConfigError, load_config
-    from ragen_core.run_dir import RunDir
-    from ragen_core.stages import prune_optimizer_states
+    from ragen_core.learner.checkpoint import OPTIM_PRUNED, verify_checkpoint
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.run.stages import prune_optimizer_states
 
     run = RunDir(tmp_path / "run")
     learner = Learner(tiny_policy(), make_cfg())

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ragen_core.algorithms.collapse import collapse_stats, retrieval_hits
-from ragen_core.collapse_probe import collapse_due, collapse_metrics, first_turn_pair, sample_pairs
 from ragen_core.monitor import MonitorConfig
+from ragen_core.run.collapse_probe import collapse_due, collapse_metrics, first_turn_pair, sample_pairs
 
 LN2 = math.log(2)
 
@@ -142,8 +142,8 @@ def test_collapse_due_and_off_switch() -> None:
 
 
 def test_learner_cross_logprobs_equal_a_plain_forward_pass() -> None:
-    from ragen_core.learner import Learner
-    from ragen_core.learner_config import LearnerConfig, OptimConfig
+    from ragen_core.config.learner import LearnerConfig, OptimConfig
+    from ragen_core.learner.update import Learner
     from tests.ragen_core.test_learner import tiny_policy
 
     learner = Learner(tiny_policy(), LearnerConfig(optim=OptimConfig(micro_batch_size=3, mini_batch_size=4)))

@@ -101,8 +101,8 @@ def test_a_stored_config_from_before_the_ragen2_options_loads_and_resumes(tmp_pa
     import yaml
 
     from ragen_core.integrity import record
-    from ragen_core.resume import resume_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_dir import RunDir
 
     cfg = load_config()
     data = cfg.model_dump(mode="json")
@@ -219,8 +219,8 @@ def _with_sft_protocol(tmp_path: Path) -> tuple[RagenConfig, Path]:
 
 def test_a_stored_config_with_a_removed_key_still_loads_and_resumes(tmp_path: Path) -> None:
     from ragen_core.integrity import record
-    from ragen_core.resume import resume_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_dir import RunDir
 
     cfg, path = _with_sft_protocol(tmp_path)
     record(path)  # as create_run does: RunDir.config checks the digest
@@ -379,8 +379,8 @@ def test_a_stored_config_with_the_old_filter_keys_loads_and_resumes(tmp_path: Pa
     """A run's config.yaml written before rollout.filter existed (filter_ratio / filter_type, no
     section) loads to the same filter and resumes without a refused change."""
     from ragen_core.integrity import record
-    from ragen_core.resume import resume_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_dir import RunDir
 
     cfg = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5"])
     data = cfg.model_dump(mode="json")
@@ -441,7 +441,7 @@ def test_a_resume_may_change_the_number_of_learners(tmp_path: Path) -> None:
     """Elastic resume: trainer.learners changes only the all-reduce's summation order (each iteration
     records its own count for reruns); a change of what the iterations compute is still refused."""
     from ragen_core.config import dump_config
-    from ragen_core.resume import ResumeError, resume_config
+    from ragen_core.run.resume import ResumeError, resume_config
 
     stored = load_config(overrides=["trainer.learners=2"])
     dump_config(stored, tmp_path / "config.yaml")  # the run's own config, as a resume reads it
@@ -449,3 +449,27 @@ def test_a_resume_may_change_the_number_of_learners(tmp_path: Path) -> None:
     assert given.trainer.learners == 1 and changes == {"trainer.learners": ("2", "1")}
     with pytest.raises(ResumeError, match=r"learner\.optim\.actor_lr: stored .*, given 0\.5"):
         resume_config(tmp_path, stored, 3, overrides=["trainer.learners=1", "learner.optim.actor_lr=0.5"])
+
+
+def test_the_config_loads_no_runtime() -> None:
+    """The config's models are plain pydantic (``ragen_core/config/``): reading and checking a config
+    (``ragen --help``, ``ragen show``, a config error) loads neither torch, transformers nor MLflow."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "transformers", "mlflow")
+    code = (
+        "import sys, ragen_core.config as c; c.load_config('configs/bandit-tiny.yaml'); "
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"importing ragen_core.config loaded {out.stdout.strip()}"
+
+
+def test_model_dtype_names_are_the_loaders() -> None:
+    """``model.dtype``'s accepted spellings (config) are exactly those the loader maps to torch."""
+    from ragen_core.config.model import DTYPE_NAMES
+    from ragen_core.models.policies import _DTYPES
+
+    assert set(DTYPE_NAMES) == set(_DTYPES)

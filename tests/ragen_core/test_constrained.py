@@ -10,14 +10,15 @@ import torch
 
 from ragen_core.algorithms import restrict_to_allowed
 from ragen_core.config import ConfigError, load_config
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.learner import Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
+from ragen_core.learner.batch import to_token_batch
+from ragen_core.learner.update import Learner
 from ragen_core.protocol import ProtocolConfig, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
 from ragen_core.rollout.engine import HFEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
-from ragen_core.trajectory import to_table, to_token_batch
+from ragen_core.trajectory import to_table
 from tests.tiny_policy import smallest_policy
 
 ACTIONS = ["Left", "Down", "Right", "Up"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ragen_core.critic import backbone, build_critic
-from ragen_core.learner_config import OptimConfig
+from ragen_core.config.learner import OptimConfig
+from ragen_core.learner.critic import backbone, build_critic
 from tests.ragen_core.test_learner import random_batch, tiny_policy
 
 

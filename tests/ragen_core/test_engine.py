@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ragen_core.models import ModelConfig, build_tiny_model, train_tokenizer
+from ragen_core.config.model import ModelConfig
+from ragen_core.models.policies import build_tiny_model, train_tokenizer
 from ragen_core.rollout import Generation, HFEngine, PromptTooLongError, SamplingParams
 from ragen_core.rollout.engine import filtered_probs, sample_inverse_cdf
 

@@ -17,7 +17,9 @@ from mlflow.tracing.client import TracingClient
 from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from ragen_core.config import RagenConfig, load_config
-from ragen_core.episode_traces import (
+from ragen_core.run.run_dir import RunDir, create_run
+from ragen_core.run.stages import filter_stage
+from ragen_core.tracking.episode_traces import (
     build_trace,
     choose_all,
     choose_train,
@@ -26,9 +28,7 @@ from ragen_core.episode_traces import (
     trace_id_for,
     turns_of,
 )
-from ragen_core.run_dir import RunDir, create_run
-from ragen_core.stages import filter_stage
-from ragen_core.tracking import Tracker
+from ragen_core.tracking.tracker import Tracker
 from ragen_core.trajectory import Trajectory, read_table, write_trajectories
 
 TAGS = ("Bandit", "SimpleSokoban")
@@ -133,7 +133,7 @@ def stored_run(cfg: RagenConfig, name: str) -> RunDir:
 
 def log_steps(run: RunDir, cfg: RagenConfig, state: Path, mlflow_run_id: str | None = None) -> Tracker:
     """Log every step of ``run`` through ``StepLogger.log_step`` (the hook under test)."""
-    from ragen_core.step_log import StepLogger
+    from ragen_core.run.step_log import StepLogger
 
     tracker = Tracker(cfg.tracking, state)
     with tracker:  # ends the MLflow run FINISHED
@@ -346,7 +346,7 @@ def test_rollouts_logged_before_the_step_are_not_logged_twice_and_a_resume_logs_
     without a second copy of the traces."""
     from mlflow.tracking import MlflowClient
 
-    from ragen_core.step_log import StepLogger
+    from ragen_core.run.step_log import StepLogger
 
     assert ITERATIONS == 2  # iteration 2 is the last, with the final evaluation
     cfg = config(tmp_path, "tracking.experiment=traces-early")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from ragen_core import stage_record
 from ragen_core.config import load_config
-from ragen_core.run_dir import RunDir, create_run
-from ragen_core.stages import EmptyFilterError, filter_stage, learn_stage
-from ragen_core.trajectory import TokenBatch, Trajectory, write_trajectories
+from ragen_core.learner.batch import TokenBatch
+from ragen_core.run import stage_record
+from ragen_core.run.run_dir import RunDir, create_run
+from ragen_core.run.stages import EmptyFilterError, filter_stage, learn_stage
+from ragen_core.trajectory import Trajectory, write_trajectories
 
 BASE = ["train.tags=[Bandit]", "train.n_groups=[4]", "train.group_size=2", "learner.optim.mini_batch_size=2"]
 #: 4 groups of 2: scores {1, 1} std 0 / {0, 2} std 1.41 / {0, 0} std 0 / {1, 2} std 0.71;

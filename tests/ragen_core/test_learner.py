@@ -13,9 +13,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ragen_core.algorithms import entropy_from_logits, select_groups
-from ragen_core.learner import BadBatchError, Learner
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
-from ragen_core.trajectory import TokenBatch
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
+from ragen_core.learner.batch import BadBatchError, TokenBatch
+from ragen_core.learner.update import Learner
 
 VOCAB = 16
 ANSWERS = (5, 6)  # the two answer tokens of the toy task

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 
 
 def test_config_defaults_match_spec():

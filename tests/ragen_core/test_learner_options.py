@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from ragen_core.learner import BadBatchError, Learner
-from ragen_core.learner_config import RewardNormalizationConfig
-from ragen_core.trajectory import TokenBatch
+from ragen_core.config.learner import RewardNormalizationConfig
+from ragen_core.learner.batch import BadBatchError, TokenBatch
+from ragen_core.learner.update import Learner
 from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,9 +9,10 @@ import pytest
 from mlflow.exceptions import MlflowException
 
 from ragen_core.config import load_config
-from ragen_core.lineage import log_lineage
-from ragen_core.run_dir import create_run
-from ragen_core.tracking import Tracker, TrackingConfig
+from ragen_core.config.tracking import TrackingConfig
+from ragen_core.run.lineage import log_lineage
+from ragen_core.run.run_dir import create_run
+from ragen_core.tracking.tracker import Tracker
 
 
 def _contexts(tracker: Tracker) -> set[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragen_core.log_process import (
+from ragen_core.config.tracking import TrackingConfig
+from ragen_core.run.log_process import (
     LOCK_NAME,
     NICE_VAR,
     EarlierLoggingError,
@@ -24,9 +25,9 @@ from ragen_core.log_process import (
     open_step_log,
     wait_for_earlier_logging,
 )
-from ragen_core.run_dir import RunDir
-from ragen_core.step_log import LocalStepLog, StepLogger
-from ragen_core.tracking import LOGGED_STEPS_TAG, Tracker, TrackingConfig
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.step_log import LocalStepLog, StepLogger
+from ragen_core.tracking.tracker import LOGGED_STEPS_TAG, Tracker
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +126,11 @@ def test_a_dead_logging_process_takes_the_tracker_offline(state_dir: Path, tmp_p
 TRAINING_PROCESS = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from ragen_core.log_process import ProcessStepLog
-    from ragen_core.run_dir import RunDir
-    from ragen_core.step_log import StepLogger
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.run.log_process import ProcessStepLog
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.run.step_log import StepLogger
+    from ragen_core.tracking.tracker import Tracker
+    from ragen_core.config.tracking import TrackingConfig
 
     state, root, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     tracker = Tracker(TrackingConfig(experiment="log-process"), state)

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragen_core import model_import
-from ragen_core.model_import import (
+from ragen_core.models import importing
+from ragen_core.models.importing import (
     SOURCE_FILE,
     ModelImportError,
     default_name,
@@ -66,7 +66,8 @@ def imported(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policy(imported):
-    from ragen_core.models import ModelConfig, policy_from_config
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import policy_from_config
 
     return policy_from_config(ModelConfig(path=str(imported[0].path)))
 
@@ -153,13 +154,14 @@ def test_model_path_loads_it_with_its_chat_template(imported, policy):
 def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     """The agent protocol end to end on Bandit, and one learner step (GRPO, loading the folder as a
     run's learner does) whose log-probs match the rollout's and which updates the weights."""
+    from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-    from ragen_core.learner import Learner
-    from ragen_core.learner_config import AlgorithmConfig, LearnerConfig, OptimConfig
+    from ragen_core.learner.batch import to_token_batch
+    from ragen_core.learner.update import Learner
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import run_rollouts
-    from ragen_core.trajectory import to_table, to_token_batch
+    from ragen_core.trajectory import to_table
 
     model, tok = policy
     groups = EnvGroups(
@@ -339,16 +341,16 @@ def test_tensor_types_of_the_gguf_package_pass_the_header_check(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    info = model_import.check_gguf(tmp_path / "q5.gguf")
+    info = importing.check_gguf(tmp_path / "q5.gguf")
     assert (info.architecture, info.n_tensors, info.data_bytes) == ("llama", 1, 176)
     data = (tmp_path / "q5.gguf").read_bytes()
     with pytest.raises(ModelImportError, match="is corrupt or truncated"):
-        model_import.check_gguf(write(tmp_path / "q5-cut.gguf", data[:-50]))
+        importing.check_gguf(write(tmp_path / "q5-cut.gguf", data[:-50]))
 
 
 def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, monkeypatch):
     """Past our header check, transformers' own refusal (a ValueError) becomes the same clear error."""
-    monkeypatch.setattr(model_import, "_architecture_supported", lambda arch: True)
+    monkeypatch.setattr(importing, "_architecture_supported", lambda arch: True)
     source = tiny_gguf(tmp_path / "m.gguf", "madeupnet", "{{ x }}")
     with pytest.raises(ModelImportError, match=r"architecture 'madeupnet' is not one transformers"):
         import_gguf(str(source), state_dir=tmp_path / "state")
@@ -360,7 +362,8 @@ def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, mon
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-    from ragen_core.models import ModelConfig, build_tiny_policy
+    from ragen_core.config.model import ModelConfig
+    from ragen_core.models.policies import build_tiny_policy
 
     cfg = ModelConfig(
         hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab_size=300
@@ -376,7 +379,7 @@ def test_force_replaces_atomically_and_a_failed_import_keeps_the_old_model(tmp_p
         calls.append(gguf)
         return tiny
 
-    monkeypatch.setattr(model_import, "_load_converted", fake_load)
+    monkeypatch.setattr(importing, "_load_converted", fake_load)
     state = tmp_path / "state"
     first = import_gguf(str(src), state_dir=state)
     assert first.created and first.path.name == "tiny-chat" and leftovers(state) == ["tiny-chat"]
@@ -390,7 +393,7 @@ def test_force_replaces_atomically_and_a_failed_import_keeps_the_old_model(tmp_p
         raise RuntimeError("conversion failed")
 
     (first.path / "marker").write_text("kept")
-    monkeypatch.setattr(model_import, "_load_converted", broken_load)
+    monkeypatch.setattr(importing, "_load_converted", broken_load)
     with pytest.raises(RuntimeError, match="conversion failed"):
         import_gguf(str(src), state_dir=state, force=True)
     assert (first.path / "marker").read_text() == "kept" and leftovers(state) == ["tiny-chat"]
@@ -398,7 +401,7 @@ def test_force_replaces_atomically_and_a_failed_import_keeps_the_old_model(tmp_p
 
 
 def test_stale_temporary_folders_of_killed_imports_are_removed(tmp_path, monkeypatch, tiny):
-    monkeypatch.setattr(model_import, "_load_converted", lambda gguf, dtype, template: tiny)
+    monkeypatch.setattr(importing, "_load_converted", lambda gguf, dtype, template: tiny)
     state = tmp_path / "state"
     dead = models_dir(state) / ".importing-x-999999999-0123abcd"  # no such pid
     live = models_dir(state) / f".importing-y-{os.getpid()}-0123abcd"
@@ -409,9 +412,9 @@ def test_stale_temporary_folders_of_killed_imports_are_removed(tmp_path, monkeyp
 
 
 def test_chat_template_file_for_a_model_without_one(tmp_path, monkeypatch, tiny):
-    from ragen_core.models import CHATML_TEMPLATE
+    from ragen_core.models.policies import CHATML_TEMPLATE
 
-    monkeypatch.setattr(model_import, "_load_converted", lambda gguf, dtype, template: tiny)
+    monkeypatch.setattr(importing, "_load_converted", lambda gguf, dtype, template: tiny)
     src = tiny_gguf(tmp_path / "base.gguf", "llama")
     (tmp_path / "chatml.jinja").write_text(CHATML_TEMPLATE)
     result = import_gguf(str(src), state_dir=tmp_path / "state", chat_template=tmp_path / "chatml.jinja")

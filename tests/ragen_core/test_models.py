@@ -11,11 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ragen_core.models import (
+from ragen_core.config.model import ModelConfig, ModelNotFoundError
+from ragen_core.models.policies import (
     CHATML_TEMPLATE,
     PROTOCOL_TOKENS,
-    ModelConfig,
-    ModelNotFoundError,
     build_tiny_model,
     env_corpus,
     load_policy,
@@ -238,7 +237,7 @@ def test_an_imported_model_is_named_by_its_folder_under_the_state(tmp_path, monk
     from pydantic import ValidationError
 
     from ragen_core.config import load_config
-    from ragen_core.preflight import PreflightError, preflight
+    from ragen_core.run.preflight import PreflightError, preflight
 
     model, folder = saved
     monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))

@@ -19,7 +19,7 @@ def history(name: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def fired_online(mon: EchoTrapMonitor, hist: dict[str, list[tuple[int, float]]]) -> list[int]:
-    """The iterations at which ``mon`` fires when fed ``hist`` step by step, as ragen_core.training does."""
+    """The iterations at which ``mon`` fires when fed ``hist`` step by step, as ragen_core.run.training does."""
     steps = sorted({s for pts in hist.values() for s, _ in pts})
     by_key = {k: dict(pts) for k, pts in hist.items()}
     return [s for s in steps if mon.update(s, {k: d[s] for k, d in by_key.items() if s in d})]
@@ -33,7 +33,7 @@ def test_collapsing_vanilla_grpo_run_is_flagged_when_validation_falls() -> None:
     (sig,) = sigs
     assert sig.reference == val[0] and sig.value == val[8] < 0.8 * val[0]
     assert min(val.values()) < 0.5 * val[0]  # the run did fall: the flag is not a false alarm
-    # online, as ragen_core.training feeds it: confirmed at the next validation, and a stop/rollback follows
+    # online, as ragen_core.run.training feeds it: confirmed at the next validation, and a stop/rollback follows
     mon = EchoTrapMonitor(MonitorConfig(action="rollback"))
     assert fired_online(mon, hist) == [10] and mon.should_rollback and mon.rollback_step(range(0, 10)) == 7
 

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from ragen_core.config import load_config
-from ragen_core.preflight import PreflightError, learnability_check
-from ragen_core.probe import MIN_VARIED_GROUPS, probe, varied_group_share
+from ragen_core.run.preflight import PreflightError, learnability_check
+from ragen_core.run.probe import MIN_VARIED_GROUPS, probe, varied_group_share
 
 # An untrained tiny policy (no warm start) on FrozenLake: it writes no valid answer.
 UNTRAINED = [
@@ -75,7 +75,7 @@ def test_preflight_probe_warns_or_stops_as_the_config_asks(caplog):
 
 
 def test_preflight_names_an_action_the_tokenizer_cannot_spell():
-    from ragen_core.preflight import spelling_problems
+    from ragen_core.run.preflight import spelling_problems
 
     class NoRight:
         """A tokenizer without the letters of 'Right' (its encoding is the unknown token)."""
@@ -98,7 +98,7 @@ def test_preflight_names_an_action_the_tokenizer_cannot_spell():
 
 
 def test_a_go_without_any_success_says_the_rewards_differ_by_step_rewards_alone():
-    from ragen_core.probe import ProbeResult
+    from ragen_core.run.probe import ProbeResult
 
     metrics = {
         "probe/valid_answer_share": 1.0,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ragen_core import stage_record
 from ragen_core.config import load_config
-from ragen_core.rerun import rerun_config
-from ragen_core.run_dir import create_run
+from ragen_core.run import stage_record
+from ragen_core.run.rerun import rerun_config
+from ragen_core.run.run_dir import create_run
 
 
 def test_a_rerun_uses_the_learner_count_each_iteration_ran_with(tmp_path: Path, local_state: Path) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.models import ModelConfig, build_tiny_policy
+from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, PromptTooLongError, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
@@ -129,7 +130,7 @@ def test_same_seed_same_parquet_bytes_in_two_processes(policy, tmp_path):
     here = write_trajectories(sokoban_rollouts(policy, n_groups=4, group_size=2), tmp_path / "a.parquet")
     code = (
         "import sys; from tests.ragen_core.test_runner import TINY, sokoban_rollouts;"
-        "from ragen_core.models import build_tiny_policy;"
+        "from ragen_core.models.policies import build_tiny_policy;"
         "from ragen_core.trajectory import write_trajectories;"
         "write_trajectories(sokoban_rollouts(build_tiny_policy(TINY), n_groups=4, group_size=2), sys.argv[1])"
     )

@@ -13,19 +13,20 @@ import torch
 from pydantic import ValidationError
 
 from ragen_core.config import load_config
+from ragen_core.config.model import ModelConfig
+from ragen_core.config.sft import SFTConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
-from ragen_core.models import ModelConfig, build_tiny_policy, load_policy
-from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
-from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
-from ragen_core.rollout.runner import run_rollouts
-from ragen_core.sft import (
-    SFTConfig,
+from ragen_core.learner.sft import (
     build_demonstrations,
     demo_groups_config,
     sft_progress_line,
     train_sft,
     warm_start,
 )
+from ragen_core.models.policies import build_tiny_policy, load_policy
+from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
+from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.runner import run_rollouts
 from tests.ragen_core.test_runner import spans
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not

@@ -8,10 +8,10 @@ import pytest
 
 from ragen_core.config import load_config
 from ragen_core.integrity import record
-from ragen_core.preflight import PreflightError, preflight
-from ragen_core.run_dir import RunDir, create_run
-from ragen_core.session import Session
-from ragen_core.stages import init_policy_stage
+from ragen_core.run.preflight import PreflightError, preflight
+from ragen_core.run.run_dir import RunDir, create_run
+from ragen_core.run.session import Session
+from ragen_core.run.stages import init_policy_stage
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_file_digest_follows_content_and_skips_rehashing(
 ) -> None:
     import os
 
-    from ragen_core import run_dir
+    from ragen_core.run import run_dir
 
     d = tmp_path / "ckpt"
     d.mkdir()
@@ -113,8 +113,8 @@ def test_file_digest_follows_content_and_skips_rehashing(
 
 def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) -> None:
     from ragen_core.integrity import CorruptFileError, recorded
-    from ragen_core.run_dir import RunFileError, atomic_write_text
-    from ragen_core.stages import finish_iteration
+    from ragen_core.run.run_dir import RunFileError, atomic_write_text
+    from ragen_core.run.stages import finish_iteration
 
     run = RunDir(tmp_path / "run")
     run.update_info(run_id="r")
@@ -146,7 +146,7 @@ def test_run_json_files_are_recorded_and_a_damaged_one_is_named(tmp_path: Path) 
 def test_config_yaml_damage_is_named(tmp_path: Path) -> None:
     from ragen_core.config import dump_config
     from ragen_core.integrity import CorruptFileError
-    from ragen_core.run_dir import RunFileError
+    from ragen_core.run.run_dir import RunFileError
 
     run = RunDir(tmp_path / "run")
     cfg = load_config(overrides=TINY)
@@ -167,7 +167,7 @@ def test_a_full_disk_names_the_json_file(tmp_path: Path, monkeypatch: pytest.Mon
     import errno
     import os
 
-    from ragen_core.run_dir import atomic_write_text
+    from ragen_core.run.run_dir import atomic_write_text
     from ragen_core.storage import StorageWriteError
 
     def no_space(fd: int) -> None:
@@ -209,7 +209,7 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
     float32 engine's is ~1e-6, see test_runner) and small."""
     import torch
 
-    from ragen_core.stages import filter_stage, learn_stage, rollout_stage
+    from ragen_core.run.stages import filter_stage, learn_stage, rollout_stage
 
     cfg = load_config(
         overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1", f"trainer.run_root={tmp_path}"]
@@ -233,7 +233,7 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
 def test_validation_success_keeps_held_out_tags_apart() -> None:
     """BanditTest (renamed arms) is the paper's generalisation test: averaged into the validation
     success, it would blur both what was learned and how far it carries."""
-    from ragen_core.stages import held_out_apart
+    from ragen_core.run.stages import held_out_apart
 
     cfg = load_config(
         overrides=[

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ragen_core.config.tracking import TrackingConfig
 from ragen_core.monitor import MonitorConfig, detect
 from ragen_core.sweep.report import build_report, monitor_from_params
 from ragen_core.sweep.tags import ERROR_TAG, GROUP_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
-from ragen_core.tracking import PARENT_TAG, Tracker, TrackingConfig
+from ragen_core.tracking.tracker import PARENT_TAG, Tracker
 
 pytestmark = pytest.mark.usefixtures("local_state")
 

@@ -11,21 +11,17 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragen_core.tracking import (
+from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
+from ragen_core.tracking.background import BackgroundLog
+from ragen_core.tracking.keys import format_steps, metric_key, parse_steps
+from ragen_core.tracking.offline import TrackingError
+from ragen_core.tracking.tracker import (
     CHANGED_PARAMS_TAG,
     ITERATION_KEY,
     LOGGED_STEPS_TAG,
     PARENT_TAG,
     SKIPPED_KEY,
-    BackgroundLog,
     Tracker,
-    TrackingConfig,
-    TrackingError,
-    flatten_params,
-    format_steps,
-    metric_key,
-    parse_steps,
-    resolve_tracking_uri,
 )
 
 
@@ -354,7 +350,7 @@ def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPa
     """The first new store is built by MLflow and kept, without its default experiment, as the template;
     later new stores are copies that MLflow opens as its own (default experiment where it puts it,
     ours next); a damaged template is dropped and the store built anew."""
-    from ragen_core.tracking import store_template
+    from ragen_core.tracking.store import store_template
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     template = store_template()
@@ -383,7 +379,7 @@ def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPa
 def test_the_experiment_opens_on_its_runs_in_the_mlflow_ui(state_dir: Path) -> None:
     """Traces would make MLflow's UI open the experiment in its GenAI view; a training experiment is
     created as model development."""
-    from ragen_core.tracking import EXPERIMENT_KIND_TAG
+    from ragen_core.tracking.tracker import EXPERIMENT_KIND_TAG
 
     tr = make(state_dir, experiment="kind")
     tr.start("r", {})

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ragen_core.integrity import record
+from ragen_core.learner.batch import to_token_batch
 from ragen_core.trajectory import (
     SCHEMA_VERSION_KEY,
     Trajectory,
@@ -22,7 +23,6 @@ from ragen_core.trajectory import (
     read_table,
     read_trajectories,
     to_table,
-    to_token_batch,
     write_trajectories,
 )
 

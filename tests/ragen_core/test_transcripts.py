@@ -6,8 +6,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from ragen_core.tracking.transcripts import to_html, transcript_rows
 from ragen_core.trajectory import write_trajectories
-from ragen_core.transcripts import to_html, transcript_rows
 from tests.ragen_core.test_trajectory import make_traj
 
 

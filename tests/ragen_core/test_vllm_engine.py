@@ -20,7 +20,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from ragen_core.models import ModelConfig, build_tiny_policy, save_policy
+from ragen_core.config.model import ModelConfig
+from ragen_core.models.policies import build_tiny_policy, save_policy
 from ragen_core.rollout import PromptTooLongError, SamplingParams
 from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, engine_from_policy, vllm_python
 

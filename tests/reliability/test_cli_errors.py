@@ -134,7 +134,7 @@ def stored_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A run directory as training leaves it after 3 iterations (the policies' weights are not
     needed: every check here comes before a model loads). Returns (state folder, run id)."""
     from ragen_core.config import dump_config, load_config
-    from ragen_core.run_dir import RunDir
+    from ragen_core.run.run_dir import RunDir
 
     state = tmp_path_factory.mktemp("state")
     run = RunDir(state / "runs" / "bandit-tiny-0123abcd-ef4567")
@@ -269,8 +269,8 @@ def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_a
     import re
 
     from ragen_core.config import dump_config, load_config
-    from ragen_core.models import save_policy
-    from ragen_core.run_dir import RunDir
+    from ragen_core.models.policies import save_policy
+    from ragen_core.run.run_dir import RunDir
     from tests.prefect_server import prefect_api
     from tests.tiny_policy import smallest_policy
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from ragen_core.actors import LearnerGroup, LearnerPlacementError, init_ray
+from ragen_core.learner.actors import LearnerGroup, LearnerPlacementError, init_ray
 from tests.ragen_core.test_learner import make_cfg
 from tests.reliability import procs
 
@@ -117,9 +117,9 @@ def test_learner_group_waits_briefly_for_busy_cpus_then_fails(no_ray) -> None:
 def test_an_unreachable_ray_address_fails_at_once_naming_it(no_ray, monkeypatch: pytest.MonkeyPatch) -> None:
     """ray.init keeps retrying an address where nothing answers (measured: over 5 minutes); the run
     refuses it in preflight, before any work, and init_ray does too, each naming the address and the fix."""
-    from ragen_core.actors import RayAddressError
     from ragen_core.config import load_config
-    from ragen_core.preflight import PreflightError, preflight
+    from ragen_core.learner.actors import RayAddressError
+    from ragen_core.run.preflight import PreflightError, preflight
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

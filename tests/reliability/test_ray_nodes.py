@@ -126,8 +126,8 @@ def test_a_run_trains_on_a_cluster_of_two_nodes_one_learner_on_each(two_nodes, t
 PLACED_NODES = """
 import sys
 from ray.util.placement_group import placement_group_table
-from ragen_core.actors import init_ray, reserve_learners
-from ragen_core.learner_config import LearnerConfig
+from ragen_core.learner.actors import init_ray, reserve_learners
+from ragen_core.config.learner import LearnerConfig
 init_ray()
 group = reserve_learners(LearnerConfig(num_cpus=1, placement=sys.argv[1]), 2, timeout_s=30)
 print("nodes", len(set(placement_group_table(group)["bundles_to_node_id"].values())))
@@ -162,7 +162,8 @@ def test_a_lost_node_rebuilds_the_actors_and_the_run_goes_on_from_its_last_itera
     once, and each learn stage recorded the learner count it ran with."""
     from mlflow.tracking import MlflowClient
 
-    from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+    from ragen_core.tracking.keys import parse_steps
+    from ragen_core.tracking.tracker import LOGGED_STEPS_TAG
     from tests.process_env import child_env
 
     sets = [

@@ -82,7 +82,7 @@ def test_unsafe_run_names_are_refused_before_any_work(name: str, tmp_path: Path)
 
 
 def test_run_name_check_in_the_library() -> None:
-    from ragen_core.run_dir import RunNameError, check_run_name
+    from ragen_core.run.run_dir import RunNameError, check_run_name
 
     assert check_run_name("bandit-tiny_v1.2") == "bandit-tiny_v1.2"
     for bad in ("..", "../x", "x/y", "", "-x", "a" * 65, "é"):
@@ -92,13 +92,13 @@ def test_run_name_check_in_the_library() -> None:
 
 def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path: Path) -> None:
     """Defect 2: two `ragen train --resume RUN` at once both ran and logged every step twice."""
-    from ragen_core.run_lock import RunLock, RunLockedError
+    from ragen_core.run.run_lock import RunLock, RunLockedError
 
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys, time; from ragen_core.run_lock import RunLock; "
+            "import sys, time; from ragen_core.run.run_lock import RunLock; "
             f"RunLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -124,7 +124,7 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path:
 
 
 def test_concurrent_resume_through_the_cli_is_refused(tmp_path: Path) -> None:
-    from ragen_core.run_lock import RunLock
+    from ragen_core.run.run_lock import RunLock
 
     run = tmp_path / "runs" / "locked-run"
     run.mkdir(parents=True)

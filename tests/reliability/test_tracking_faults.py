@@ -26,10 +26,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ragen_core.log_process import ProcessStepLog
-from ragen_core.run_dir import RunDir
-from ragen_core.step_log import StepLogger
-from ragen_core.tracking import BackgroundLog, Tracker, TrackingConfig
+from ragen_core.config.tracking import TrackingConfig
+from ragen_core.run.log_process import ProcessStepLog
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.step_log import StepLogger
+from ragen_core.tracking.background import BackgroundLog
+from ragen_core.tracking.tracker import Tracker
 from tests.flows.test_train import CONFIG, TINY, only_run, ragen
 from tests.test_e2e import INHERITED_DROP_PREFIXES, free_port, kill_group, tool, wait_healthy
 
@@ -120,7 +122,8 @@ def steps(client: MlflowClient, run_id: str, key: str | None = None) -> list[int
     """The steps of metric ``key`` (each point, duplicates kept), or with no key the steps the run
     marks as completely logged (its ``ragen.logged_steps`` tag)."""
     if key is None:
-        from ragen_core.tracking import LOGGED_STEPS_TAG, parse_steps
+        from ragen_core.tracking.keys import parse_steps
+        from ragen_core.tracking.tracker import LOGGED_STEPS_TAG
 
         return sorted(parse_steps(client.get_run(run_id).data.tags.get(LOGGED_STEPS_TAG, "")))
     return sorted(int(m.step) for m in client.get_metric_history(run_id, key))
@@ -314,7 +317,8 @@ def test_dead_server_costs_one_short_failure_then_nothing(server: Server, tmp_pa
 RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from ragen_core.tracking import Tracker, TrackingConfig
+    from ragen_core.tracking.tracker import Tracker
+    from ragen_core.config.tracking import TrackingConfig
 
     state, go = Path(sys.argv[1]), Path(sys.argv[2])
     (state.parent / (state.name + "." + sys.argv[3] + ".ready")).touch()

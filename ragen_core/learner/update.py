@@ -29,10 +29,10 @@ Data parallelism: when ``torch.distributed`` is initialised with more than one p
 learner receives the whole batch, computes old log-probs / values for its contiguous share of the
 rows (then all-reduced), computes the same advantages, and trains on its contiguous share of each
 mini-batch; gradients are summed with an all-reduce, so every rank takes the same optimiser step.
-Parameters are broadcast from rank 0 at construction. See ``ragen_core.actors``.
+Parameters are broadcast from rank 0 at construction. See ``ragen_core.learner.actors``.
 
-The learner's config is ``ragen_core.learner_config``, its critic ``ragen_core.critic``, and the
-checkpoint files it saves and loads ``ragen_core.checkpoint``; this module holds the update itself.
+The learner's config is ``ragen_core.config.learner``, its critic ``ragen_core.learner.critic``, and the
+checkpoint files it saves and loads ``ragen_core.learner.checkpoint``; this module holds the update itself.
 """
 
 from __future__ import annotations
@@ -70,20 +70,16 @@ from ragen_core.algorithms import (
     value_loss,
     whiten,
 )
-from ragen_core.checkpoint import load_into, read_checkpoint, set_rng_state, write_checkpoint
-from ragen_core.critic import ValueModel, backbone, build_critic
-from ragen_core.learner_config import LearnerConfig
-from ragen_core.trajectory import TokenBatch
+from ragen_core.config.learner import LearnerConfig
+from ragen_core.learner.batch import BadBatchError, TokenBatch, check_batch
+from ragen_core.learner.checkpoint import load_into, read_checkpoint, set_rng_state, write_checkpoint
+from ragen_core.learner.critic import ValueModel, backbone, build_critic
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
 __all__ = ["BadBatchError", "Learner", "seed_everything"]
-
-
-class BadBatchError(ValueError):
-    """A batch the learner cannot train on; the message says what is wrong and how to fix it."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,7 +399,7 @@ class Learner:
     ) -> torch.Tensor:
         """Summed log-prob of every response after every prompt under the current policy, ``(R, P)``
         float64 on the CPU: entry [i, j] = Σ_t log π(z_i,t | x_j, z_i,<t) (teacher forcing, temperature
-        1). The collapse metrics' input (``ragen_core.collapse_probe``); no gradient, no RNG."""
+        1). The collapse metrics' input (``ragen_core.run.collapse_probe``); no gradient, no RNG."""
         n_r, n_p = len(responses), len(prompts)
         if n_r == 0 or n_p == 0:
             return torch.zeros(n_r, n_p, dtype=torch.float64)
@@ -426,91 +422,6 @@ class Learner:
         return logp.double().sum(dim=1).reshape(n_r, n_p).cpu()
 
     # ---------------------------------------------------------------- checks
-
-    def _check_batch(self, batch: TokenBatch, turn_scores: torch.Tensor | None) -> None:  # noqa: C901 - one independent check per batch field, each with its own message
-        names = ("input_ids", "attention_mask", "loss_mask", "turn_index", "scores", "group_ids")
-        missing = [n for n in names if getattr(batch, n, None) is None]
-        if missing:
-            raise BadBatchError(f"batch lacks {missing}; pass a ragen_core.trajectory.TokenBatch")
-        n = int(batch.input_ids.shape[0]) if batch.input_ids.dim() >= 1 else 0
-        if n == 0:
-            raise BadBatchError(
-                "0 trajectories after filtering: nothing to train on. Keep more groups (raise "
-                "rollout.filter_ratio, the fraction of groups kept) or raise the number of env groups"
-            )
-        token_fields = ["input_ids", "attention_mask", "loss_mask", "turn_index"]
-        if getattr(batch, "rollout_logprobs", None) is not None:
-            token_fields.append("rollout_logprobs")
-        shapes = {f: tuple(getattr(batch, f).shape) for f in token_fields}
-        shapes.update({f: tuple(getattr(batch, f).shape) for f in ("scores", "group_ids")})
-        if (
-            batch.input_ids.dim() != 2
-            or any(shapes[f] != shapes["input_ids"] for f in token_fields)
-            or any(shapes[f] != (n,) for f in ("scores", "group_ids"))
-        ):
-            listed = ", ".join(f"{k} {v}" for k, v in shapes.items())
-            raise BadBatchError(
-                f"batch tensors disagree in shape: {listed}; token tensors must all be (B, L) and "
-                "scores / group_ids (B,)"
-            )
-        bad = ~torch.isfinite(batch.scores.double())
-        if bool(bad.any()):
-            rows = torch.nonzero(bad).flatten().tolist()[:20]
-            raise BadBatchError(
-                f"non-finite reward (score) in trajectories {rows}: check the environment's rewards and the "
-                "format penalty of these rows"
-            )
-        loss_mask = batch.loss_mask != 0
-        attention = batch.attention_mask != 0
-        if bool((attention[:, 1:] & ~attention[:, :-1]).any()):
-            raise BadBatchError("attention_mask must be right-padded (ones, then zeros) in every row")
-        if bool((loss_mask & ~attention).any()):
-            raise BadBatchError("loss_mask has trained tokens on padding (attention_mask 0)")
-        if bool(loss_mask[:, 0].any()):
-            raise BadBatchError(
-                "loss_mask[:, 0] must be 0: the first token has no context to be sampled from"
-            )
-        empty = torch.nonzero(~loss_mask.any(dim=1)).flatten().tolist()
-        if empty:
-            raise BadBatchError(
-                f"trajectories {empty[:20]} have no trained token (loss_mask all 0): drop them before the learner"
-            )
-        vocab = self._vocab_size()
-        if vocab is not None:
-            ids = batch.input_ids[attention]
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                raise BadBatchError(
-                    f"input_ids outside the policy's vocabulary [0, {vocab}): min {int(ids.min())}, "
-                    f"max {int(ids.max())}; was the batch made with another tokenizer?"
-                )
-        if self.cfg.optim.mini_batch_size > n:
-            raise BadBatchError(
-                f"optim.mini_batch_size={self.cfg.optim.mini_batch_size} is larger than the {n} trajectories "
-                f"of this batch (after filtering): set optim.mini_batch_size <= {n}, or keep more "
-                "trajectories (raise rollout.filter_ratio, env groups or group size)"
-            )
-        alg = self.cfg.algorithm
-        if alg.use_turn_scores and turn_scores is None:
-            raise BadBatchError(
-                "algorithm.use_turn_scores=true needs the batch's turn_scores (to_token_batch makes them from "
-                "the trajectory table's turn_rewards); pass them or set use_turn_scores false"
-            )
-        norm = alg.reward_normalization
-        if norm.active and norm.grouping == "inductive":
-            tags = getattr(batch, "env_tags", None)
-            if tags is None or len(tags) != n:
-                raise BadBatchError(
-                    "algorithm.reward_normalization.grouping=inductive needs the batch's env_tags, one per "
-                    f"trajectory (got {None if tags is None else len(tags)} for {n}); build the batch with "
-                    "to_token_batch from a table with env_tag"
-                )
-        if turn_scores is not None and (alg.bi_level_gae or alg.use_turn_scores):
-            if turn_scores.dim() != 2 or turn_scores.shape[0] != n:
-                raise BadBatchError(f"turn_scores must be (B={n}, K), got {tuple(turn_scores.shape)}")
-            bad = ~torch.isfinite(turn_scores.double())
-            if bool(bad.any()):
-                rows = torch.nonzero(bad.any(dim=1)).flatten().tolist()[:20]
-                raise BadBatchError(f"non-finite reward (turn_scores) in trajectories {rows}")
 
     def _vocab_size(self) -> int | None:
         emb = (
@@ -559,7 +470,7 @@ class Learner:
         if grouping == "state":
             return batch.group_ids
         if grouping == "inductive":
-            return cast("tuple[str, ...]", batch.env_tags)  # checked by _check_batch
+            return cast("tuple[str, ...]", batch.env_tags)  # checked by check_batch
         return [0] * len(batch.scores)
 
     def _advantage_options(
@@ -644,7 +555,7 @@ class Learner:
         t_start = time.perf_counter()
         if turn_scores is None:
             turn_scores = getattr(batch, "turn_scores", None)
-        self._check_batch(batch, turn_scores)
+        check_batch(batch, turn_scores, self.cfg, self._vocab_size())
         alg, opt = self.cfg.algorithm, self.cfg.optim
         dev = self.device
         timing: dict[str, float] = {}
@@ -1028,7 +939,7 @@ class Learner:
     def save_checkpoint(
         self, path: str | os.PathLike[str], iteration: int, extra: dict[str, Any] | None = None
     ) -> Path:
-        """Write everything needed to resume into ``path`` atomically (``ragen_core.checkpoint``
+        """Write everything needed to resume into ``path`` atomically (``ragen_core.learner.checkpoint``
         describes the layout); ``extra`` is stored in the manifest. An ``OSError`` (full disk) is
         raised as ``StorageWriteError`` naming the checkpoint."""
         training_state = {

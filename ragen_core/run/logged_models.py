@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.errors import RagenError
-from ragen_core.run_dir import RunDir, find_run
+from ragen_core.run.run_dir import RunDir, find_run
 from ragen_core.state_folder import locate_run
-from ragen_core.tracking import Tracker, metric_key
+from ragen_core.tracking.keys import metric_key
+from ragen_core.tracking.tracker import Tracker
 
 #: The registry aliases of a run's kept policies.
 ALIASES = ("final", "best")

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from ragen_core import stage_record
 from ragen_core.config import RagenConfig
 from ragen_core.integrity import CorruptFileError
-from ragen_core.run_dir import RunDir
-from ragen_core.session import Session
-from ragen_core.stages import behaviour_policy, check_init_policy, play, update_policy
+from ragen_core.run import stage_record
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.session import Session
+from ragen_core.run.stages import behaviour_policy, check_init_policy, play, update_policy
 from ragen_core.trajectory import read_table, schema_version, write_table
 
 
@@ -93,7 +93,7 @@ def rerun_stage(
                 return RerunResult(stage, k, out, stored, False, "no stored evaluation at this step")
             _check_stored_table(stored, out)
             return RerunResult(stage, k, out, stored, *_same_tables(out, stored))
-        from ragen_core.checkpoint import CheckpointError, verify_checkpoint
+        from ragen_core.learner.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
         kept = run.read_json(run.filter_file(k))["kept_rows"]

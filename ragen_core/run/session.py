@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.config import RagenConfig
-from ragen_core.run_dir import RunDir, atomic_write_text
+from ragen_core.run.run_dir import RunDir, atomic_write_text
 
 
 class Session:
@@ -24,7 +24,7 @@ class Session:
     """
 
     def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
-        from ragen_core.actors import LearnerWorker, init_ray
+        from ragen_core.learner.actors import LearnerWorker, init_ray
         from ragen_core.rollout.worker import RolloutWorker
 
         self.cfg, self.run, self.backend = cfg, run, backend
@@ -71,7 +71,7 @@ class Session:
 
     def _start_actors(self, learners: int, placement_timeout_s: float = 30.0) -> None:
         """The rollout actor, then the learner group (its placement group reserved at once or not at all)."""
-        from ragen_core.actors import LearnerGroup
+        from ragen_core.learner.actors import LearnerGroup
         from ragen_core.rollout.worker import RolloutActor
 
         t = self.cfg.trainer
@@ -97,7 +97,7 @@ class Session:
         it is now, with as many learners as it can hold (``trainer.learners`` at most; a checkpoint
         resumes with any count, and each learn stage records its own). Both parts hold no iteration's
         state until the next restore loads it from disk. Returns the learner count."""
-        from ragen_core.actors import LearnerPlacementError
+        from ragen_core.learner.actors import LearnerPlacementError
 
         if self.backend != "ray":
             raise RuntimeError("only the ray backend's actors can be rebuilt")

@@ -19,15 +19,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ragen_core.algorithms import SPREAD_FILTER_METRICS, kept_group_count
+from ragen_core.algorithm_modes import SPREAD_FILTER_METRICS, kept_group_count
+from ragen_core.config.learner import LearnerConfig
+from ragen_core.config.model import ModelConfig
+from ragen_core.config.sft import SFTConfig
+from ragen_core.config.tracking import TrackingConfig, flatten_params
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.learner_config import LearnerConfig
-from ragen_core.models import ModelConfig
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.sft import SFTConfig
-from ragen_core.tracking import TrackingConfig, flatten_params
 
 #: The config ``ragen train`` trains when none is given (the README's main job).
 DEFAULT_CONFIG = "configs/bandit-tiny.yaml"

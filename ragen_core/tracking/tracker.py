@@ -1,8 +1,8 @@
 """MLflow tracking for ragen-flow: one MLflow run per training run, batched, resumable, fail-fast.
 
-This module and ``episode_traces`` (which it calls) are the only ones that import ``mlflow``
+This package and the run modules that log through it are the only ones that import ``mlflow``
 (docs/architecture.md, "Layers"), and they import it lazily, so that reading a ``TrackingConfig``
-costs nothing.
+(``ragen_core.config.tracking``) costs nothing.
 
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
 environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:
@@ -32,57 +32,36 @@ What a run holds:
   each iteration), one table ``transcripts.json`` appended with ``log_table`` for the UI's table
   view (one table path only, because ``log_table`` lists every table in a tag whose length is
   limited), and paper-style plots (``log_plots``: PNG under ``plots/``, the overview on top).
-* traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.episode_traces``): a
+* traces -- episodes as MLflow traces (``log_episode_traces``, ``ragen_core.tracking.episode_traces``): a
   sample of each iteration's train rollouts and every validation episode of the final step, one chat
   span per turn, the score, success and filter decision as feedback; sent to this store's trace API
   directly (no global tracer), and skipped on a resume when the store already has them.
 
-Failures cost seconds, not minutes, and never stop training. For our client, MLflow's HTTP
-settings default to a short leash (``HTTP_DEFAULTS``: 2 retries, 4 s timeout, backoff factor 1;
-the environment wins): a server that is down costs about 3 s, one that hangs about 15 s. The first
-store call that fails during a run takes the Tracker *offline*: ``tracker.offline`` holds one line
-naming the store and the failing call, a warning is logged, and every later call (metrics, tags,
-artifacts, ``end``) returns at once without touching the network or raising. Nothing is lost: the
-pipeline writes each iteration's ``metrics.json`` into the run directory *before* logging, and
-``log_iteration`` skips the steps a run already has, so once the store is back a resumed run (same
-``run_id``) re-logs exactly the missing iterations; ``offline_message`` says so to the user.
-Starting a run still fails fast with ``TrackingError`` (nothing has been trained yet).
-
-A fresh SQLite store is created under an exclusive ``flock`` on ``<db>.lock``: MLflow builds the
-schema without one, and two runs starting at once in a new state folder would race (``table ...
-already exists``). Building it runs MLflow's whole chain of schema migrations (seconds on 2 cores, in
-every new state folder), so the first store made with an MLflow version is kept, emptied, in the user
-cache (:func:`store_template`) and later new stores start as a copy of it.
-
 One process logs a run at a time (SQLite locks under concurrent writers): while the loop runs, the
-run's logging process holds it (``ragen_core.log_process``; ``Tracker.state`` / ``take_over`` hand
+run's logging process holds it (``ragen_core.run.log_process``; ``Tracker.state`` / ``take_over`` hand
 it over and back).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import re
-import shutil
-import socket
-import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from ragen_core.state_folder import cache_dir
+from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
+from ragen_core.tracking.keys import format_steps, metric_key, parse_steps
+from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, _probe_http
+from ragen_core.tracking.store import _open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -93,7 +72,6 @@ MAX_PARAM_VALUE_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 #: Where ``ragen ui`` serves the MLflow UI of a local store (its default port).
 LOCAL_UI_URL = "http://127.0.0.1:5000"
 MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
-MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 ITERATION_KEY = "iteration"  # the step marker metric of runs logged before 2026-12-02 (read on resume)
 #: The run tag listing the steps whose metrics are all logged (``0-12,14``).
 LOGGED_STEPS_TAG = "ragen.logged_steps"
@@ -106,314 +84,14 @@ TABLE_STEP_TAG = "ragen.transcripts_table_step"
 TRANSCRIPTS_TABLE = "transcripts.json"
 
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
-BackgroundMode = Literal["process", "thread", "off"]
 
-#: MLflow's HTTP client settings for our runs, unless the environment sets them. MLflow's own
-#: defaults (7 retries, backoff factor 2, 120 s timeout) make one call to a dead server block for
-#: about 4 minutes; these give up after about 3 s (refused: attempts at 0, 0 and ~2.5 s) and, for a
-#: server that accepts but never answers, after 3 x 4 s + ~2.5 s, about 15 s. Idempotent retries
-#: are safe: a re-sent metric has the same timestamp, and MLflow ignores exact duplicates.
-HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "4",
-}
 
 _log = logging.getLogger(__name__)
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be reached or refused a write; the message names the store and the fix."""
-
-
-class TrackingConfig(BaseModel):
-    """Where and what a run logs to MLflow."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tracking_uri: str | None = Field(
-        default=None,
-        description="MLflow tracking URI; None: $MLFLOW_TRACKING_URI, else sqlite:///<state_dir>/mlflow.db "
-        "with artifacts in <state_dir>/mlartifacts",
-    )
-    experiment: str = Field(default="ragen-flow", min_length=1, description="MLflow experiment name")
-    log_artifacts: bool = Field(
-        default=True,
-        description="upload artifacts (files, transcripts, plots); False: metrics/params/tags only",
-    )
-    transcripts_per_iteration: int = Field(
-        default=4, ge=0, description="sample transcripts kept per iteration"
-    )
-    connect_timeout_s: float = Field(
-        default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
-    )
-    traces_per_tag: int = Field(
-        default=2,
-        ge=0,
-        description="train episodes logged as MLflow traces per env tag and iteration (the run's Traces "
-        "tab: one chat span per turn, score/success/filter decision as feedback); 0: none",
-    )
-    max_traces_per_step: int = Field(
-        default=64,
-        ge=0,
-        description="at most this many episode traces per step and file; the final evaluation traces every "
-        "validation episode up to it; 0: no traces at all",
-    )
-    system_metrics: bool = Field(
-        default=True,
-        description="log the machine's CPU, memory, disk, network (and GPU) use as system/* metrics every "
-        "10 s while the run trains (MLflow's System metrics tab)",
-    )
-    background: BackgroundMode = Field(
-        default="process",
-        description="where each iteration is logged while the next one trains: process (a logging process "
-        "of its own, off the training loop's interpreter lock), thread (a thread of the training "
-        "process) or off (in the loop, before the next iteration). In order and flushed before the run "
-        "ends; a failing store takes the tracker offline and training goes on, any other error stops "
-        "the run at the next iteration. true / false (older configs) read as process / off",
-    )
-
-    @field_validator("background", mode="before")
-    @classmethod
-    def _background_bool(cls, v: Any) -> Any:
-        # Before 2026-12-02 the key was a bool (true: a thread); true now means the default.
-        return {True: "process", False: "off"}.get(v, v) if isinstance(v, bool) else v
-
-
-# ---------------------------------------------------------------------------- helpers
-def resolve_tracking_uri(cfg: TrackingConfig, state_dir: str | os.PathLike[str]) -> str:
-    """The config's URI, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<abs state_dir>/mlflow.db``."""
-    if cfg.tracking_uri:
-        return cfg.tracking_uri
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    return f"sqlite:///{(Path(state_dir).resolve() / 'mlflow.db').as_posix()}"
-
-
-_BAD_CHARS = re.compile(r"[^/\w.\- :]")
-
-
-def format_steps(steps: Iterable[int]) -> str:
-    """``{0, 1, 2, 3, 5}`` -> ``"0-3,5"`` (what the ``ragen.logged_steps`` tag holds)."""
-    out: list[list[int]] = []
-    for k in sorted(set(steps)):
-        if out and k == out[-1][1] + 1:
-            out[-1][1] = k
-        else:
-            out.append([k, k])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
-
-
-def parse_steps(text: str) -> set[int]:
-    """The inverse of :func:`format_steps`."""
-    steps: set[int] = set()
-    for part in filter(None, text.split(",")):
-        a, _, b = part.partition("-")
-        steps.update(range(int(a), int(b or a) + 1))
-    return steps
-
-
-def metric_key(name: str) -> str:
-    """A name MLflow accepts for a metric, param or tag: ``@`` -> ``_at_``, any other character
-    outside ``[A-Za-z0-9_./ :-]`` -> ``_``, no empty / ``.`` / ``..`` path parts, at most 250 chars."""
-    key = _BAD_CHARS.sub("_", str(name).replace("@", "_at_"))
-    parts = [p for p in key.split("/") if p not in ("", ".", "..")]
-    key = "/".join(parts) or "_"
-    return key[:MAX_KEY_LEN]
-
-
-def _param_value(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, Path):
-        return v.as_posix()
-    try:
-        return json.dumps(v, sort_keys=True, default=str)
-    except (TypeError, ValueError):  # pragma: no cover - default=str makes this rare
-        return str(v)
-
-
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested mappings -> dotted keys (``learner.algorithm.clip_high``); leaves as strings (strings
-    as they are, everything else as JSON: ``true``, ``null``, ``[1, 2]``)."""
-    out: dict[str, str] = {}
-    for k, v in params.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v:
-            out.update(flatten_params(v, key))
-        else:
-            out[key] = _param_value(v)
-    return out
-
-
-def _cut(value: str, limit: int) -> str:
-    return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
 def _chunks(items: list[Any], n: int) -> Iterable[list[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
-
-
-def _probe_http(uri: str, timeout_s: float) -> None:
-    """Raise ``TrackingError`` unless an HTTP server answers at ``uri`` within ``timeout_s``."""
-    url = uri.rstrip("/") + "/health"
-    fix = (
-        "start it (`MLFLOW_DISABLE_TELEMETRY=true mlflow server --workers 1 --host 127.0.0.1 --port <port>`), "
-        "or unset MLFLOW_TRACKING_URI / tracking.tracking_uri to use the local store in the state folder"
-    )
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
-            return
-    except urllib.error.HTTPError:
-        return  # the server answered (auth, proxy prefix, ...): reachable; MLflow reports the rest
-    except urllib.error.URLError as e:
-        reason: Any = e.reason
-    except OSError as e:  # timeouts, resets (TimeoutError, ConnectionError are OSErrors)
-        reason = e
-    if isinstance(reason, ssl.SSLError):
-        return  # something answered TLS; certificate policy (MLFLOW_TRACKING_INSECURE_TLS, ...) is MLflow's call
-    if isinstance(reason, ConnectionRefusedError):
-        why = "connection refused"
-    elif isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
-        why = f"no answer within {timeout_s:g} s"
-    elif isinstance(reason, socket.gaierror):
-        why = "host name not found"
-    else:
-        why = str(reason)
-    raise TrackingError(f"MLflow tracking server {uri} unreachable ({why}); {fix}")
-
-
-@contextlib.contextmanager
-def store_lock(db: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``<db>.lock`` (beside the SQLite file), across processes.
-
-    MLflow's SQLite tracking store creates and migrates its schema on first use without any lock,
-    so two processes opening a fresh store at once both run the migrations and one fails (``table
-    ... already exists``, ``duplicate column name``). The lock file is never deleted: removing it
-    while another process waits on it would let a third one lock a new file."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: no lock (MLflow's own behaviour)
-        yield
-        return
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def store_template() -> Path:
-    """The cached empty SQLite store of this MLflow version (``$XDG_CACHE_HOME/ragen-flow``): the schema
-    at MLflow's head revision, without the default experiment (MLflow adds it, with its artifact
-    location, when it opens the copy)."""
-    import mlflow
-
-    return cache_dir() / f"mlflow-{mlflow.__version__}-empty-store.db"
-
-
-def _from_template(db: Path) -> bool:
-    """Start the new store ``db`` as a copy of the cached template; False when there is none, or when
-    it is not an intact SQLite store with a schema revision (it is then dropped, to be made anew)."""
-    import sqlite3
-
-    template = store_template()
-    if db.exists() or not template.is_file():
-        return False
-    tmp = db.with_name(f"{db.name}.tmp-{os.getpid()}")
-    try:
-        shutil.copyfile(template, tmp)
-        with contextlib.closing(sqlite3.connect(tmp)) as con:
-            intact = con.execute("PRAGMA quick_check").fetchone() == ("ok",)
-            revision = con.execute("SELECT version_num FROM alembic_version").fetchall()
-        if not intact or len(revision) != 1:
-            raise sqlite3.DatabaseError("no single schema revision")
-    except (OSError, sqlite3.Error) as e:
-        _log.warning("dropping the cached empty MLflow store %s (%s)", template, e)
-        tmp.unlink(missing_ok=True)
-        template.unlink(missing_ok=True)
-        return False
-    os.replace(tmp, db)
-    return True
-
-
-def _keep_template(db: Path) -> None:
-    """Keep the store MLflow just created, less its default experiment, as the template of later ones.
-    A cache: when it cannot be written, every new store is simply built by MLflow."""
-    import sqlite3
-
-    template = store_template()
-    tmp = template.with_name(f"{template.name}.tmp-{os.getpid()}")
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(db, tmp)
-        with contextlib.closing(sqlite3.connect(tmp)) as con, con:
-            con.execute("DELETE FROM experiment_tags WHERE experiment_id = 0")
-            con.execute("DELETE FROM experiments WHERE experiment_id = 0")
-        os.replace(tmp, template)
-    except (OSError, sqlite3.Error) as e:
-        _log.debug("no MLflow store template kept (%s)", e)
-        tmp.unlink(missing_ok=True)
-
-
-def _open_sqlite_client(uri: str, db: Path) -> MlflowClient:
-    """An MlflowClient on the SQLite store ``db``; a new store starts from the template, or is built by
-    MLflow and becomes the template."""
-    from mlflow.tracking import MlflowClient
-
-    with store_lock(db):  # MlflowClient creates and migrates the schema here
-        new = not db.exists()
-        copied = new and _from_template(db)
-        try:
-            client = MlflowClient(tracking_uri=uri)
-        except Exception:
-            if copied:  # nothing half-made stays behind; the next run builds the store itself
-                db.unlink(missing_ok=True)
-                store_template().unlink(missing_ok=True)
-            raise
-        if new and not copied and db.exists():
-            _keep_template(db)
-        return client
-
-
-def _failure_reason(e: BaseException) -> tuple[bool, str]:
-    """(is the store unreachable, a short one-line reason) for an exception of an MLflow call."""
-    text = " ".join(f"{type(x).__name__}: {x}" for x in _chain(e))
-    timeout = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
-    retries = os.environ.get(
-        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
-    )
-    if "Connection refused" in text or any(isinstance(x, ConnectionRefusedError) for x in _chain(e)):
-        return True, f"connection refused, {retries} retries"
-    if "timed out" in text or "Timeout" in text:
-        return True, f"no answer within {timeout} s, {retries} retries"
-    if any(
-        w in text
-        for w in (
-            "Connection reset",
-            "Connection aborted",
-            "RemoteDisconnected",
-            "Max retries exceeded",
-            "Failed to establish",
-        )
-    ):
-        return True, "connection lost"
-    first = " ".join(f"{type(e).__name__}: {e}".split())
-    return isinstance(e, ConnectionError | TimeoutError), _cut(first, 300)
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    x: BaseException | None = e
-    while x is not None and x not in out and len(out) < 10:
-        out.append(x)
-        x = x.__cause__ or x.__context__
-    return out
 
 
 # ---------------------------------------------------------------------------- tracker
@@ -845,11 +523,11 @@ class Tracker:
         self, path: str | os.PathLike[str], step: int, kept_rows: list[int] | None = None
     ) -> int:
         """Log the episodes of a trajectory file of ``step`` as MLflow traces of this run
-        (``ragen_core.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
+        (``ragen_core.tracking.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
         filter's decision, as feedback), every episode of a validation file; at most
         ``max_traces_per_step``. Off with ``log_artifacts``. A resumed run skips the traces its store
         already has. Returns the number of traces sent."""
-        from ragen_core.episode_traces import send_traces, traces_of_file
+        from ragen_core.tracking.episode_traces import send_traces, traces_of_file
 
         run_id = self._require_run()
         if not self.cfg.log_artifacts or self.offline is not None or self.experiment_id is None:
@@ -891,60 +569,9 @@ class Tracker:
         except TrackingError as e:
             self._go_offline(f"read the metric history of run {run_id}", e.__cause__ or e)
             return []
-        from ragen_core.plotting import render_plots
+        from ragen_core.tracking.plotting import render_plots
 
         paths = render_plots(hist, out_dir, markers=markers, title=title)
         for p in paths:  # the overview is what a reader opens first: at the top of the artifacts
             self.log_artifact(p, None if p.name == "overview.png" else "plots")
         return paths
-
-
-# ---------------------------------------------------------------------------- background logging
-class BackgroundLog:
-    """Runs tracking calls on one worker thread, in submission order, off the training loop's path.
-
-    An iteration's MLflow calls (metrics, the Parquet artifact, transcripts) then overlap the next
-    iteration instead of delaying it. A failing store raises nothing here: the ``Tracker`` goes
-    offline and training goes on (its ``metrics.json`` files are on disk, so a resumed run re-logs
-    what did not reach the store). Any other error (a bug: a metric that is not a number) is
-    raised by the next ``submit`` and by every ``flush``, and nothing queued after it runs.
-    ``enabled=False`` runs every call at once, in the caller's thread.
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragen-tracking") if enabled else None
-        )
-        self._error: BaseException | None = None
-
-    def _run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._error is None:  # after a failure, later calls would log out of order: skip them
-            try:
-                fn(*args, **kwargs)
-            except BaseException as e:
-                self._error = e
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """Queue ``fn(*args, **kwargs)``; raises the error of an earlier call, if one failed."""
-        if self._pool is None:
-            fn(*args, **kwargs)
-            return
-        self._raise()
-        self._pool.submit(self._run, fn, args, kwargs)
-
-    def flush(self) -> None:
-        """Wait for every queued call; raises the first error."""
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result()  # one worker, in order: all earlier calls are done
-        self._raise()
-
-    def close(self) -> None:
-        """Wait for the queue (errors are left to ``flush``) and stop the thread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)

@@ -12,7 +12,7 @@ same run folder gives the same decisions under any orchestrator:
   stop and rollback decisions, and ends with the best step, the final models and where to look next.
 
 Metrics reach MLflow only after an iteration's ``metrics.json`` and DONE mark are on disk (from the
-run's logging process by default, ``ragen_core.step_log``, while the next iteration runs; in order,
+run's logging process by default, ``ragen_core.run.step_log``, while the next iteration runs; in order,
 and flushed before the run ends), and
 logging is idempotent per step, so a killed run resumes with no iteration lost, duplicated or
 double-logged. A rollback is an event of its own (``rollbacks/after_K.json``): no stored iteration is
@@ -32,20 +32,20 @@ from typing import Any, Protocol
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import ray_actor_lost
 from ragen_core.integrity import record
-from ragen_core.lineage import SystemMetrics, log_lineage
-from ragen_core.log_process import open_step_log, wait_for_earlier_logging
-from ragen_core.logged_models import log_kept_models
-from ragen_core.model_import import model_provenance
+from ragen_core.models.importing import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
-from ragen_core.preflight import learnability_check, preflight
 from ragen_core.progress import IterationClock, duration, iteration_line
-from ragen_core.resume import resume_config
-from ragen_core.run_dir import RunDir, create_run, find_run, run_name
-from ragen_core.run_lock import RunLock
-from ragen_core.session import Session
-from ragen_core.stages import check_resumable, eval_due
-from ragen_core.step_log import StepLog, StepLogger
-from ragen_core.tracking import RunStatus, Tracker
+from ragen_core.run.lineage import SystemMetrics, log_lineage
+from ragen_core.run.log_process import open_step_log, wait_for_earlier_logging
+from ragen_core.run.logged_models import log_kept_models
+from ragen_core.run.preflight import learnability_check, preflight
+from ragen_core.run.resume import resume_config
+from ragen_core.run.run_dir import RunDir, create_run, find_run, run_name
+from ragen_core.run.run_lock import RunLock
+from ragen_core.run.session import Session
+from ragen_core.run.stages import check_resumable, eval_due
+from ragen_core.run.step_log import StepLog, StepLogger
+from ragen_core.tracking.tracker import RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
@@ -87,7 +87,7 @@ def open_run(
 ) -> Iterator[tuple[RunDir, RagenConfig, Tracker]]:
     """The run to train (a new one, or ``resume``'s), its config and a tracker, locked until exit.
 
-    A resume accepts only what ``ragen_core.resume`` allows, and records the accepted changes in
+    A resume accepts only what ``ragen_core.run.resume`` allows, and records the accepted changes in
     ``run.json``; an unreachable tracking server fails before a new run folder exists. ``backend``
     overrides ``trainer.backend`` for this process only (it is not a change of the run).
     """

@@ -17,8 +17,8 @@ from typing import Any
 
 from ragen_core.config import RagenConfig
 from ragen_core.env_groups import EnvGroupsConfig
-from ragen_core.run_dir import RunDir
-from ragen_core.tracking import Tracker
+from ragen_core.run.run_dir import RunDir
+from ragen_core.tracking.tracker import Tracker
 
 _log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ragen_core.algorithms import AGG_MODES, KL_KINDS
+from ragen_core.algorithm_modes import AGG_MODES, KL_KINDS
 
 __all__ = ["AlgorithmConfig", "LearnerConfig", "LoraConfig", "OptimConfig", "RewardNormalizationConfig"]
 

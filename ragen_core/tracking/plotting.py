@@ -3,7 +3,7 @@
 One drawing convention for both: success is drawn raw; training statistics (in-group reward std,
 entropy, gradient norm, response length) as an EMA over their faint raw values, as in the paper's
 appendix B.3. Everything renders on matplotlib's Agg canvas directly: no pyplot, no global backend.
-Callers pass metric histories with MLflow's key names (``ragen_core.tracking.metric_key``).
+Callers pass metric histories with MLflow's key names (``ragen_core.tracking.keys.metric_key``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ finished: a stage's stored output is reused when, and only when,
 
 Otherwise the stage runs again and overwrites its own outputs and record. A deleted, truncated or
 edited output is therefore regenerated (the stage is deterministic), never trusted. Digests are
-:func:`ragen_core.run_dir.file_digest` of files or folders. The record is written last, after
+:func:`ragen_core.run.run_dir.file_digest` of files or folders. The record is written last, after
 every output, so a stage killed half-way has no record and reruns.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ragen_core.run_dir import atomic_write_text, file_digest
+from ragen_core.run.run_dir import atomic_write_text, file_digest
 
 
 def _digest(path: Path) -> str | None:

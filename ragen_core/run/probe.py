@@ -140,12 +140,12 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     import time
 
     from ragen_core.env_groups import EnvGroups
-    from ragen_core.models import policy_from_config
+    from ragen_core.models.policies import policy_from_config
     from ragen_core.protocol import forced_prefix
     from ragen_core.rollout.constrained import ActionGrammar
     from ragen_core.rollout.engine import HFEngine, SamplingParams
     from ragen_core.rollout.runner import Segments, run_rollouts
-    from ragen_core.stages import sampling_params
+    from ragen_core.run.stages import sampling_params
 
     t0 = time.perf_counter()
     model, tokenizer = policy_from_config(cfg.model)
@@ -218,7 +218,7 @@ def record_probe(cfg: RagenConfig, config_path: str | os.PathLike[str], result: 
     the printed report as ``probe.txt``); returns the run's page, or why it was not logged."""
     from ragen_core.config import flatten
     from ragen_core.state_folder import state_dir
-    from ragen_core.tracking import Tracker
+    from ragen_core.tracking.tracker import Tracker
 
     tracker = Tracker(cfg.tracking, state_dir())
     name = f"probe-{Path(config_path).stem}"

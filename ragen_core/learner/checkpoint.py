@@ -36,9 +36,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.faults import crash_point
 from ragen_core.integrity import sha256_file
-from ragen_core.learner_config import LearnerConfig
 from ragen_core.storage import as_os_error, write_error
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ def read_checkpoint(
 
 
 def _read_policy(directory: Path, policy: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
-    from ragen_core.models import load_weight_files
+    from ragen_core.models.policies import load_weight_files
 
     try:
         sd = load_weight_files(directory)

@@ -2,7 +2,7 @@
 ``tasks/stages.py`` wrap them): warm start, rollout, filter, learn, evaluate, finish.
 
 A stage reuses its stored output only when its record says the output is intact and was made from
-the same inputs (``ragen_core.stage_record``); otherwise it runs again."""
+the same inputs (``ragen_core.run.stage_record``); otherwise it runs again."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from ragen_core import stage_record
 from ragen_core.algorithms import (
     TOKEN_FILTER_METRICS,
     ZERO_TOL,
@@ -25,15 +24,17 @@ from ragen_core.algorithms import (
     filter_rollouts,
     group_std_stats,
 )
-from ragen_core.collapse_probe import collapse_due, collapse_metrics
 from ragen_core.config import RagenConfig, RolloutFilterConfig
 from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import record_tree, verify_tree
-from ragen_core.run_dir import RunDir, atomic_write_text, copy_tokenizer
-from ragen_core.session import Session
+from ragen_core.learner.batch import to_token_batch
+from ragen_core.run import stage_record
+from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
+from ragen_core.run.run_dir import RunDir, atomic_write_text, copy_tokenizer
+from ragen_core.run.session import Session
 from ragen_core.storage import as_os_error, write_error
-from ragen_core.trajectory import read_table, to_token_batch, write_table
+from ragen_core.trajectory import read_table, write_table
 
 
 def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
@@ -43,8 +44,8 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
     """
     import shutil
 
-    from ragen_core.models import policy_from_config, save_policy
-    from ragen_core.sft import warm_start
+    from ragen_core.learner.sft import warm_start
+    from ragen_core.models.policies import policy_from_config, save_policy
 
     if (run.init_policy / "config.json").exists():
         check_init_policy(run)
@@ -82,7 +83,7 @@ def check_resumable(run: RunDir) -> int:
     """What a resume starts from, checked before anything is started or written: every complete
     iteration's metrics (re-logged to MLflow) and the state after the last one. Returns that
     iteration; a damaged file raises naming it."""
-    from ragen_core.checkpoint import verify_checkpoint
+    from ragen_core.learner.checkpoint import verify_checkpoint
 
     last = run.last_complete()
     for k in range(1, last + 1):
@@ -160,7 +161,7 @@ def rollout_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session) -> tu
     iteration ``k`` starts from, after ``k - 1`` iterations or where a rollback went back to).
 
     Reuses this run's stored rollouts when they are intact and were played by the same policy
-    (``ragen_core.stage_record``), so a resumed iteration does not play again. Moves only the rollout
+    (``ragen_core.run.stage_record``), so a resumed iteration does not play again. Moves only the rollout
     worker, so that it may play while the learner updates (one-step off-policy)."""
     behaviour = behaviour_policy(cfg, run, k)
     record, inputs = run.stage_record("rollout", k), {"policy": run.policy_after(behaviour)}
@@ -364,7 +365,7 @@ def prune_optimizer_states(cfg: RagenConfig, run: RunDir, k: int) -> list[int]:
     """``trainer.keep_optimizer_states = N``: once iteration ``k`` is done, the checkpoints of iterations
     ``<= k - N`` lose their optimiser state (their weights stay). The next iteration's learn stage reads
     only iteration ``k``'s; returns the iterations pruned now."""
-    from ragen_core.checkpoint import prune_optimizer_state
+    from ragen_core.learner.checkpoint import prune_optimizer_state
 
     keep = cfg.trainer.keep_optimizer_states
     if keep is None:

@@ -4,15 +4,15 @@
 step's DONE mark): the rollouts Parquet and the filter's decisions as artifacts, the transcripts
 page, a sample of episodes as traces (these four as soon as the filter has judged the rollouts),
 the validation file, then the metrics with the step's marker (idempotent per step). It needs only
-the run folder and a :class:`~ragen_core.tracking.Tracker`, so it runs in any process.
+the run folder and a :class:`~ragen_core.tracking.tracker.Tracker`, so it runs in any process.
 
-Where it runs is ``tracking.background`` (``ragen_core.log_process.open_step_log``):
+Where it runs is ``tracking.background`` (``ragen_core.run.log_process.open_step_log``):
 
-- ``process`` (default): the run's logging process (``ragen_core.log_process``). MLflow's SQL store
+- ``process`` (default): the run's logging process (``ragen_core.run.log_process``). MLflow's SQL store
   and trace writer are pure Python; in a thread of the training process they take the interpreter
   lock from the rollout loop for about 0.1 s of CPU per iteration (benchmarks/README.md, "Pipeline
   overhead"), in a process of their own they use the other core;
-- ``thread``: a thread of the training process (:class:`~ragen_core.tracking.BackgroundLog`);
+- ``thread``: a thread of the training process (:class:`~ragen_core.tracking.background.BackgroundLog`);
 - ``off``: in the loop, before the next iteration starts.
 
 Every mode runs the calls in submission order; a store failure takes the tracker offline (training
@@ -26,9 +26,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ragen_core.run_dir import RunDir
-from ragen_core.tracking import BackgroundLog, Tracker
-from ragen_core.transcripts import to_html, transcript_rows
+from ragen_core.run.run_dir import RunDir
+from ragen_core.tracking.background import BackgroundLog
+from ragen_core.tracking.tracker import Tracker
+from ragen_core.tracking.transcripts import to_html, transcript_rows
 
 #: The calls a step log accepts (methods of :class:`StepLogger`), by name: they cross a process boundary.
 CALLS = ("log_rollouts", "log_step", "set_tags", "log_artifact")

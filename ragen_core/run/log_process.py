@@ -1,10 +1,10 @@
 """The run's logging process: MLflow logging of each step off the training process (``tracking.background:
-process``, the default; ``ragen_core.step_log`` has the other modes).
+process``, the default; ``ragen_core.run.step_log`` has the other modes).
 
-The training process starts it with the run's tracking settings (``python -m ragen_core.log_process``,
-one socket between them) and sends it :class:`~ragen_core.step_log.StepLogger` calls by name. The run
+The training process starts it with the run's tracking settings (``python -m ragen_core.run.log_process``,
+one socket between them) and sends it :class:`~ragen_core.run.step_log.StepLogger` calls by name. The run
 is handed over, not shared: at the first call after a flush, the training process's tracker sends
-its :class:`~ragen_core.tracking.TrackerState` (the steps logged so far, offline or not) and stops
+its :class:`~ragen_core.tracking.tracker.TrackerState` (the steps logged so far, offline or not) and stops
 logging; at ``flush`` the logging process sends its state back and the training process's tracker
 takes over again (the end of the run: best step, plots, models). So one process logs the run at any
 moment, and the steps' marker tag is always whole.
@@ -44,10 +44,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ragen_core.config.tracking import BackgroundMode
 from ragen_core.errors import RagenError
 from ragen_core.priority import lower_priority, nice_increment
-from ragen_core.step_log import CALLS, LocalStepLog, StepLog, StepLogger
-from ragen_core.tracking import BackgroundMode, Tracker, TrackerState
+from ragen_core.run.step_log import CALLS, LocalStepLog, StepLog, StepLogger
+from ragen_core.tracking.tracker import Tracker, TrackerState
 
 #: Held (shared) by a run's logging process for as long as it lives; beside the run's LOCK.
 LOCK_NAME = "LOGGING.lock"
@@ -99,7 +100,7 @@ def _exception_bytes(e: BaseException) -> bytes:
 
 
 class ProcessStepLog:
-    """The training process's end: a :class:`~ragen_core.step_log.StepLog` whose calls run in the
+    """The training process's end: a :class:`~ragen_core.run.step_log.StepLog` whose calls run in the
     logging process (started here)."""
 
     def __init__(self, logger: StepLogger) -> None:
@@ -113,7 +114,7 @@ class ProcessStepLog:
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ragen_core.log_process", str(theirs.fileno())],
+                [sys.executable, "-m", "ragen_core.run.log_process", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(), lock),
                 stdin=subprocess.DEVNULL,
                 env=env,
@@ -255,8 +256,8 @@ def open_step_log(mode: BackgroundMode, logger: StepLogger) -> StepLog:
 # ------------------------------------------------------------------------------ the logging process
 def serve(conn: Connection) -> None:
     """Run the calls the training process sends, in order, until it says exit or goes away."""
-    from ragen_core.run_dir import RunDir
-    from ragen_core.tracking import TrackingConfig
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.run.run_dir import RunDir
 
     _, cfg, state_dir, run_root, run_id, iterations = conn.recv()
     tracker: Tracker | None = None

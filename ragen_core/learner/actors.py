@@ -6,7 +6,7 @@ group (gloo on CPU, NCCL on GPU; rendezvous through a TCP store on rank 0's node
 that rank 0 picks), and builds one ``Learner`` in each. ``step(batch)`` sends the whole batch to
 every actor through the object store once; each learner trains on its contiguous share of every
 mini-batch, with the mini-batch's global token counts and all-reduced gradients, so K learners take
-exactly the optimiser step one learner would take (see ``ragen_core.learner``). The metrics of
+exactly the optimiser step one learner would take (see ``ragen_core.learner.update``). The metrics of
 rank 0 are returned; they are global (reduced over the group).
 
 The actors of a group are placed through one Ray placement group: every bundle is reserved before
@@ -37,11 +37,11 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ragen_core.config.learner import LearnerConfig
 from ragen_core.errors import RagenError, ray_actor_lost
-from ragen_core.learner import Learner
-from ragen_core.learner_config import LearnerConfig
+from ragen_core.learner.batch import TokenBatch
+from ragen_core.learner.update import Learner
 from ragen_core.state_folder import state_dir
-from ragen_core.trajectory import TokenBatch
 
 __all__ = [
     "LearnerActor",

@@ -22,7 +22,7 @@ def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
     """The run's own Ray cluster gets this machine's CPUs (or ``RAGEN_RAY_NUM_CPUS``): actors that
     cannot all fit there would otherwise fail after the warm start. (A cluster given by RAY_ADDRESS
     is checked when the run places its actors, at once.)"""
-    from ragen_core.actors import local_cluster_cpus
+    from ragen_core.learner.actors import local_cluster_cpus
 
     t, learner = cfg.trainer, cfg.learner
     try:
@@ -57,7 +57,8 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
     if tokenizer is None:
         if cfg.model.builds_tiny:
             return []
-        from ragen_core.models import ModelNotFoundError, load_tokenizer
+        from ragen_core.config.model import ModelNotFoundError
+        from ragen_core.models.policies import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(cfg.model.source())
@@ -95,7 +96,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         if problem:
             problems.append(f"rollout.engine=vllm: {problem}")
     if cfg.model.imported is not None:
-        from ragen_core.models import ModelNotFoundError
+        from ragen_core.config.model import ModelNotFoundError
 
         try:
             cfg.model.source()
@@ -106,7 +107,7 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     if not remote and cfg.trainer.backend == "ray":
         problems += _local_cluster_problems(cfg)
     if remote and cfg.trainer.backend == "ray":
-        from ragen_core.actors import ray_address_problem
+        from ragen_core.learner.actors import ray_address_problem
 
         problem = ray_address_problem(os.environ["RAY_ADDRESS"])
         if problem:
@@ -148,7 +149,7 @@ def learnability_check(cfg: RagenConfig) -> None:
         return
     import logging
 
-    from ragen_core.probe import probe
+    from ragen_core.run.probe import probe
 
     result = probe(cfg, groups=min(4, cfg.train.num_groups))  # never more than an iteration plays
     log = logging.getLogger("ragen.progress")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from ragen_core.learner_config import OptimConfig
+from ragen_core.config.learner import OptimConfig
 
 if TYPE_CHECKING:
     from peft import PeftModel
