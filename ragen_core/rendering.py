@@ -15,7 +15,7 @@ decides what to read before torch loads.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,9 +64,6 @@ def turns_of(row: Mapping[str, Any]) -> list[Turn]:
     messages = [dict(m) for m in row["messages"] or []]
     start = int(info.get("first_trained_turn", 0) or 0)
     n_turns = len(row["turn_rewards"] or [])
-    penalties = list(info.get("turn_penalties") or [0.0] * n_turns)
-    infos = list(info.get("infos") or [{}] * n_turns)
-    actions = list(row["actions"] or [])
     assistant_at = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     out = []
     for t in range(n_turns):
@@ -74,21 +71,37 @@ def turns_of(row: Mapping[str, Any]) -> list[Turn]:
         pos = assistant_at[j] if 0 <= j < len(assistant_at) else None
         # With a window that cut earlier turns, only the last turn's window is the prompt it was given.
         exact_prompt = pos is not None and (start == 0 or t == n_turns - 1)
-        reply = messages[pos + 1] if pos is not None and pos + 1 < len(messages) else None
-        out.append(
-            Turn(
-                index=t,
-                prompt=messages[:pos] if exact_prompt and pos is not None else None,
-                response=messages[pos]["content"] if pos is not None else None,
-                actions=list((actions[t] if t < len(actions) else None) or []),
-                env_reply=reply["content"] if reply is not None and reply.get("role") == "user" else None,
-                reward=float(row["turn_rewards"][t]),
-                format_penalty=float(penalties[t]) if t < len(penalties) else 0.0,
-                info=dict(infos[t]) if t < len(infos) and isinstance(infos[t], Mapping) else {},
-                position=pos,
-            )
-        )
+        out.append(_turn(row, info, messages, t, pos, exact_prompt))
     return out
+
+
+def _turn(
+    row: Mapping[str, Any],
+    info: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    t: int,
+    pos: int | None,
+    exact_prompt: bool,
+) -> Turn:
+    """Turn ``t`` of ``row``, its response at ``pos`` of ``messages`` (None: outside the window)."""
+    reply = _item(messages, pos + 1, None) if pos is not None else None
+    env_info = _item(info.get("infos") or [], t, {})
+    return Turn(
+        index=t,
+        prompt=messages[:pos] if exact_prompt else None,
+        response=messages[pos]["content"] if pos is not None else None,
+        actions=list(_item(row["actions"] or [], t, None) or []),
+        env_reply=reply["content"] if reply is not None and reply.get("role") == "user" else None,
+        reward=float(row["turn_rewards"][t]),
+        format_penalty=float(_item(info.get("turn_penalties") or [], t, 0.0)),
+        info=dict(env_info) if isinstance(env_info, Mapping) else {},
+        position=pos,
+    )
+
+
+def _item(seq: Sequence[Any], t: int, default: Any) -> Any:
+    """``seq[t]``, or ``default`` past its end."""
+    return seq[t] if t < len(seq) else default
 
 
 def trajectory_row(t: Trajectory) -> dict[str, Any]:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.evaluate import (
+from flows.evaluate import evaluate
+from ragen_core.evaluation import (
     EvaluateRequest,
     Policy,
     budgets,
-    evaluate,
     evaluation_markdown,
     resolve_policy,
     tag_rows,
