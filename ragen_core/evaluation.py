@@ -250,7 +250,9 @@ def play(
     import pyarrow as pa
 
     if open_worker is None:
-        from ragen_core.rollout.worker import RolloutWorker as open_worker
+        from ragen_core.rollout.worker import RolloutWorker
+
+        open_worker = RolloutWorker
     worker = None
     tables, env_metrics = [], {}
     t0 = time.perf_counter()
@@ -344,19 +346,19 @@ def log_evaluation(
     mlflow_run = tracker.start(f"eval-{policy.label}", params, tags=tags, parent_run_id=parent)
     tracker.log_iteration(0, metrics)
     if policy.model_id:  # the LoggedModel's page lists the evaluations of it
-        link_metrics(tracker, policy.model_id, metrics)
+        link_metrics(tracker, mlflow_run, policy.model_id, metrics)
     tracker.log_artifact(path, "eval")
     tracker.end()
     return LoggedEvaluation(mlflow_run, tracking.experiment, parent)
 
 
-def link_metrics(tracker: Tracker, model_id: str, metrics: dict[str, float]) -> None:
-    """The evaluation's metrics (step 0) linked to the LoggedModel it evaluated; a failing store takes the
-    tracker offline, as its own calls do."""
+def link_metrics(tracker: Tracker, run_id: str, model_id: str, metrics: dict[str, float]) -> None:
+    """The evaluation's metrics (step 0, MLflow run ``run_id``) linked to the LoggedModel it evaluated; a
+    failing store takes the tracker offline, as its own calls do."""
     from ragen_core.logged_models import link_metrics as link
 
     try:
-        link(tracker.client, tracker.run_id, model_id, metrics, 0, int(time.time() * 1000))
+        link(tracker.client, run_id, model_id, metrics, 0, int(time.time() * 1000))
     except Exception as e:
         tracker.go_offline(f"link the evaluation to model {model_id}", e)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
 
 from ragen_core import evaluation
 from ragen_core.evaluation import Budget, EvaluateRequest, LoggedEvaluation, Policy
-from tasks.stages import STAGE
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -29,12 +29,12 @@ def in_flow_run(step: Task[P, R]) -> Callable[P, R]:
     return cast("Callable[P, R]", step) if FlowRunContext.get() is not None else step.fn
 
 
-@task(name="evaluation-plan", **STAGE)
+@task(name="evaluation-plan", cache_policy=NO_CACHE, persist_result=False)
 def plan_task(request: EvaluateRequest) -> tuple[EvaluateRequest, Policy, list[Budget]]:
     return evaluation.plan_evaluation(request)
 
 
-@task(name="evaluation-play", **STAGE)
+@task(name="evaluation-play", cache_policy=NO_CACHE, persist_result=False)
 def play_task(
     request: EvaluateRequest, policy: Policy, plan: list[Budget], state: str, log: Any
 ) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def play_task(
     return {"out_dir": str(out), "path": str(path), "metrics": metrics}
 
 
-@task(name="evaluation-log", **STAGE)
+@task(name="evaluation-log", cache_policy=NO_CACHE, persist_result=False)
 def log_task(
     request: EvaluateRequest, policy: Policy, plan: list[Budget], played: dict[str, Any], state: str
 ) -> LoggedEvaluation:

@@ -47,7 +47,7 @@ def train(
             run_name=name,
             backend=backend,
         )
-    )  # type: ignore[arg-type]
+    )
     wall = time.perf_counter() - t0
     run_dir = Path(result["run_dir"])
     from ragen_core.run_dir import RunDir
@@ -169,9 +169,8 @@ def evaluate(
 
     # Before Prefect, MLflow or torch load (seconds): an unknown run or model fails at once.
     locate_policy(policy)
-    from ragen_core.evaluation import EvaluateRequest, check_tags, resolve_policy
-
     from flows.evaluate import evaluate as evaluate_flow
+    from ragen_core.evaluation import EvaluateRequest, check_tags, resolve_policy
 
     # A bad tag, step or config fails here too, before Prefect starts.
     tag_list = [t.strip() for t in tags.split(",") if t.strip()] if tags is not None else None

@@ -35,10 +35,8 @@ def _print_report(report: Report, paths: list[Path]) -> None:
     for g in report.groups:
         cells = [g.name, f"{g.n_finished}/{len(g.members)}"]
         for k in report.compare:
-            cells += [
-                g.final[k].text() if g.final.get(k) else "-",
-                g.peak[k].text() if g.peak.get(k) else "-",
-            ]
+            final, peak = g.final.get(k), g.peak.get(k)
+            cells += [final.text() if final else "-", peak.text() if peak else "-"]
         cells.append(f"{g.collapsed}/{g.n_finished}")
         table.add_row(*cells)
     out = console()

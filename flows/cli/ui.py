@@ -43,7 +43,7 @@ def _healthy(url: str) -> bool:
 
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
+            return bool(response.status == 200)
     except OSError:
         return False
 
