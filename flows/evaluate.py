@@ -1,359 +1,40 @@
 """Evaluate any policy (a run's checkpoint, a saved model folder, or a cached Hugging Face model)
-on any validation tags, e.g. the paper's generalisation tags."""
+on any validation tags, e.g. the paper's generalisation tags.
+
+``evaluate`` is the Prefect flow a user runs (``ragen evaluate``, or a deployment): it only composes
+the tasks of ``tasks.evaluation`` (plan -> play -> log to MLflow); the work is
+``ragen_core.run.evaluation``'s.
+"""
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
 
 from prefect import flow
-from pydantic import BaseModel, Field
 
 from flows.reporting import artifact_key, progress_logger
 from flows.settings import configure_environment
-from ragen_core.env_groups import EnvGroupsConfig
-from ragen_core.errors import RagenError
-from ragen_core.learner.checkpoint import verify_checkpoint
-from ragen_core.models.policy_ref import locate_policy
-from ragen_core.progress import duration
-from ragen_core.protocol import ProtocolConfig
-from ragen_core.run.run_dir import RunDir, atomic_write_text
-from ragen_core.run.stages import check_init_policy
-from ragen_core.trajectory import write_table
-
-
-class EvaluateRequest(BaseModel):
-    policy: str = Field(description="RUN_ID[@STEP] (default: last step), a model folder, or a cached HF name")
-    tags: list[str] | None = Field(
-        default=None,
-        description="validation tags; default: a run's own validation tags (val.tags), for a model "
-        "SimpleSokoban",
-    )
-    n_per_tag: int = Field(default=64, ge=1, description="validation seeds per tag")
-    temperature: float = Field(default=0.5, ge=0.0)
-    max_new_tokens: int | None = Field(default=None, ge=1, description="default: the run's, else 100")
-    seed: int = 0
-    out_dir: str | None = Field(default=None, description="default: .state/evals/<name>-<time>")
-    log_to_mlflow: bool = True
-    engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
-    config: str | None = Field(
-        default=None,
-        description="a run config whose agent settings (turns, actions, "
-        "thinking) and max_new_tokens to play with; default: the run's own, or for a "
-        "model each tag's catalogue budgets",
-    )
-
-
-#: The MLflow experiment of evaluations of model folders (a run's evaluations nest under its own run).
-EVAL_EXPERIMENT = "ragen-flow-eval"
-#: The tags a model folder (which has no validation tags of its own) is evaluated on by default.
-MODEL_DEFAULT_TAGS = ["SimpleSokoban"]
-
-
-class EvaluateError(RagenError):
-    """A policy or tags that cannot be evaluated; the message says what exists instead."""
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A resolved policy reference: what to load, how to play it, and (a run) the tags it knows.
-
-    ``train_tags`` / ``val_tags`` are None for a model folder or a cached model: nothing says what it
-    was trained on, so no tag can be called held out.
-    """
-
-    path: Path | str
-    protocol: ProtocolConfig | None
-    max_new_tokens: int | None
-    label: str
-    train_tags: list[str] | None = None
-    val_tags: list[str] | None = None
-    #: a run's policy: the run directory (its evaluations are nested under its MLflow run) ...
-    run_dir: Path | None = None
-    #: ... and the MLflow LoggedModel of that step, when the run logged one (final, best)
-    model_id: str | None = None
-
-    def default_tags(self) -> list[str]:
-        return list(self.val_tags) if self.val_tags else list(MODEL_DEFAULT_TAGS)
-
-    def held_out(self, tag: str) -> bool | None:
-        """Whether ``tag`` is one the policy was not trained on (None: unknown, a model)."""
-        return None if self.train_tags is None else tag not in self.train_tags
-
-
-def _spans(steps: list[int]) -> str:
-    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``."""
-    out: list[str] = []
-    for i, k in enumerate(steps):
-        if i and k == steps[i - 1] + 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{k}"
-        else:
-            out.append(str(k))
-    return ", ".join(out)
-
-
-def checkpoint_steps(run: RunDir) -> list[int]:
-    """The steps of ``run`` with a saved policy (0: the starting policy, k: after iteration k)."""
-    steps = [0] if run.policy_after(0).is_dir() else []
-    for d in sorted(run.root.glob("iter_*")):
-        k = d.name.removeprefix("iter_")
-        if k.isdigit() and int(k) > 0 and run.policy_after(int(k)).is_dir():
-            steps.append(int(k))
-    return steps
-
-
-def check_tags(tags: list[str]) -> None:
-    from ragen_core.config import tag_problems
-
-    if not tags:
-        raise EvaluateError("--tags is empty; name at least one validation tag, e.g. --tags Bandit")
-    problems = tag_problems(tags, "--tags")
-    if problems:
-        raise EvaluateError("\n".join(problems))
-
-
-def resolve_policy(spec: str) -> Policy:
-    """The policy ``spec`` names: a run reference (with the run's protocol, max_new_tokens and tags) or
-    a model (which has none of its own).
-
-    An unknown reference fails at once (``ragen_core.models.policy_ref``: nothing heavy is loaded to find
-    out); ``RUN@STEP`` must name a run and a step it has a checkpoint of (the error lists them).
-    """
-    ref = locate_policy(spec)
-    if ref.kind == "registry":
-        return _registered_policy(spec)
-    if ref.kind == "model":
-        return Policy(spec, None, None, Path(spec).name or spec)
-    name, at, step = spec.partition("@")
-    run = RunDir(ref.source)
-    cfg = run.config()
-    steps = checkpoint_steps(run)
-    have = f"it has steps {_spans(steps)}" if steps else "it has no checkpoint yet"
-    if at and not step.strip().isdigit():
-        raise EvaluateError(f"{spec}: the step {step!r} is not a number; write {name}@STEP ({have})")
-    k = int(step) if at else run.last_complete()
-    if k not in steps:
-        fix = f"; evaluate one of them, e.g. {name}@{steps[-1]}" if steps else ""
-        raise EvaluateError(f"run {run.root.name} has no checkpoint at step {k}; {have}{fix}")
-    if k == 0:  # the weights are checked against their recorded digests before anything loads them
-        check_init_policy(run)
-    else:
-        verify_checkpoint(run.checkpoint(k))
-    return Policy(
-        run.policy_after(k),
-        cfg.agent,
-        cfg.rollout.max_new_tokens,
-        f"{run.root.name}@{k}",
-        train_tags=list(cfg.train.tags),
-        val_tags=list(cfg.val.tags),
-        run_dir=run.root,
-        model_id=run.info().get("logged_models", {}).get(str(k)),
-    )
-
-
-def _registered_policy(uri: str) -> Policy:
-    """``models:/<run id>@best`` (or ``/<version>``): the registered LoggedModel's run and step when the
-    run is on this machine (so it plays as that run does), else its downloaded files as a model."""
-    from ragen_core.config.tracking import TrackingConfig
-    from ragen_core.run.logged_models import ModelURIError, resolve_model_uri
-    from ragen_core.state_folder import locate_run, models_dir, state_dir
-    from ragen_core.tracking.tracker import Tracker
-
-    try:
-        got = resolve_model_uri(uri, Tracker(TrackingConfig(), state_dir()), models_dir() / "registry")
-    except ModelURIError as e:
-        raise EvaluateError(str(e)) from e
-    if got.run_id and locate_run(got.run_id) is not None:
-        policy = resolve_policy(f"{got.run_id}@{got.step}")
-        return replace(policy, label=uri.removeprefix("models:/"), model_id=got.model_id)
-    return Policy(got.folder, None, None, uri.removeprefix("models:/"), model_id=got.model_id)
-
-
-class Budget(BaseModel):
-    """Tags played with one agent protocol and one response length."""
-
-    tags: list[str]
-    protocol: ProtocolConfig
-    max_new_tokens: int
-
-
-def budgets(request: EvaluateRequest, protocol: ProtocolConfig | None, max_new: int | None) -> list[Budget]:
-    """How each tag is played: with ``--config``'s agent settings, else the run's own, else (a model
-    folder) each tag's catalogue budget (turns, response length); ``--max-new-tokens`` wins."""
-    from envs.registry import spec
-    from ragen_core.config import load_config
-
-    tags = list(request.tags if request.tags is not None else MODEL_DEFAULT_TAGS)
-    if request.config is not None:
-        cfg = load_config(request.config, [])
-        protocol, max_new = cfg.agent, cfg.rollout.max_new_tokens
-    if protocol is not None:
-        return [Budget(tags=tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100)]
-    out: dict[tuple[int, int], Budget] = {}
-    for tag in tags:
-        s = spec(tag)
-        key = (s.max_turn, request.max_new_tokens or s.max_tokens)
-        if key not in out:
-            out[key] = Budget(tags=[], protocol=ProtocolConfig(max_turn=s.max_turn), max_new_tokens=key[1])
-        out[key].tags.append(tag)
-    return list(out.values())
+from ragen_core.run.evaluation import (
+    EvaluateRequest,
+    evaluation_markdown,
+    evaluation_result,
+    tag_rows,
+)
+from tasks.evaluation import in_flow_run, log_task, plan_task, play_task
 
 
 @flow(name="ragen-evaluate", flow_run_name="evaluate/{request.policy}")
 def evaluate(request: EvaluateRequest) -> dict[str, object]:
+    """Evaluate ``request.policy`` on its tags; returns the metrics, the rows per tag (trained-on tags
+    apart from held-out ones), the output folder and the MLflow run."""
     state = configure_environment()
-    import pyarrow as pa
-
-    from ragen_core.rollout.worker import RolloutWorker
-
-    if request.tags is not None:
-        check_tags(request.tags)
-    resolved = resolve_policy(request.policy)  # an unknown run or model fails here, before any work
-    if request.tags is None:  # a run is evaluated on its own validation tags, a model on the default
-        request = request.model_copy(update={"tags": resolved.default_tags()})
-        check_tags(resolved.default_tags())
-    tags: list[str] = list(request.tags or [])
-    policy, label = resolved.path, resolved.label
-    plan = budgets(request, resolved.protocol, resolved.max_new_tokens)
     log = progress_logger()
-    worker = None
-    tables, env_metrics = [], {}
-    t0 = time.perf_counter()
-    try:
-        for b in plan:
-            val = EnvGroupsConfig(tags=b.tags, n_groups=[request.n_per_tag] * len(b.tags), group_size=1)
-            if worker is None:
-                worker = RolloutWorker(
-                    str(policy),
-                    b.protocol.model_dump(),
-                    val.model_dump(),
-                    val.model_dump(),
-                    engine=request.engine,
-                )
-            else:
-                worker.set_groups("val", b.protocol.model_dump(), val.model_dump())
-            log.info(
-                "playing %s: %d episodes each, %d turn(s), %d new tokens per turn",
-                ",".join(b.tags),
-                request.n_per_tag,
-                b.protocol.max_turn,
-                b.max_new_tokens,
-            )
-            params = {
-                "temperature": request.temperature,
-                "top_p": 1.0,
-                "top_k": -1,
-                "max_new_tokens": b.max_new_tokens,
-            }
-            table, m = worker.rollout("val", 0, 0, params, request.seed, label)
-            tables.append(table)
-            # Success is per tag only: no "success" over several tags, which would average a tag the
-            # policy trained on with a held-out one and hide the generalisation gap the tags measure.
-            env_metrics.update({k: v for k, v in m.items() if k != "success"})
-            for tag in b.tags:
-                log.info(
-                    "%s: success %.3f (%s)", tag, m[f"{tag}/success"], duration(time.perf_counter() - t0)
-                )
-    finally:
-        if worker is not None:
-            worker.close()
-    table = pa.concat_tables(tables)
-    metrics = {f"val-env/{k}": v for k, v in env_metrics.items()}
-    metrics["timing_s/testing"] = time.perf_counter() - t0
-    out = Path(request.out_dir or state / "evals" / f"{label.replace('/', '_')}-{int(time.time())}")
-    path = write_table(table, out / "eval.parquet")
-    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1, sort_keys=True))
-    mlflow_run, tracking, parent = None, None, None
-    if request.log_to_mlflow:
-        from ragen_core.config.tracking import TrackingConfig
-        from ragen_core.tracking.tracker import Tracker
-
-        tracking, parent = TrackingConfig(experiment=EVAL_EXPERIMENT), None
-        if resolved.run_dir is not None:  # nested under the training run, in its experiment
-            trained = RunDir(resolved.run_dir)
-            tracking = trained.config().tracking.model_copy(update={"log_artifacts": True})
-            parent = trained.info().get("mlflow_run_id")
-        tracker = Tracker(tracking, state)
-        params = {**request.model_dump(), "budgets": [b.model_dump() for b in plan]}
-        run_tags = {"ragen.policy": str(policy), "ragen.tags": ",".join(tags), "ragen.evaluates": label}
-        if resolved.model_id:
-            run_tags["ragen.model_id"] = resolved.model_id
-        if resolved.train_tags is not None:
-            run_tags["ragen.train_tags"] = ",".join(resolved.train_tags)
-            run_tags["ragen.held_out_tags"] = ",".join(t for t in tags if resolved.held_out(t))
-        mlflow_run = tracker.start(f"eval-{label}", params, tags=run_tags, parent_run_id=parent)
-        tracker.log_iteration(0, metrics)
-        if resolved.model_id:  # the LoggedModel's page lists the evaluations of it
-            link_metrics(tracker, resolved.model_id, metrics)
-        tracker.log_artifact(path, "eval")
-        tracker.end()
-    rows = tag_rows(resolved, tags, metrics)
-    evaluation_artifact(label, rows, request, mlflow_run)
-    return {
-        "policy": str(policy),
-        "label": label,
-        "out_dir": str(out),
-        "metrics": metrics,
-        "tags": rows,
-        "mlflow_run_id": mlflow_run,
-        "mlflow_experiment": tracking.experiment if tracking is not None else None,
-        "mlflow_parent_run_id": parent,
-    }
-
-
-def link_metrics(tracker: Any, model_id: str, metrics: dict[str, float]) -> None:
-    """The evaluation's metrics (step 0) linked to the LoggedModel it evaluated; a failing store takes the
-    tracker offline, as its own calls do."""
-    from ragen_core.run.logged_models import link_metrics as link
-
-    try:
-        link(tracker.client, tracker.run_id, model_id, metrics, 0, int(time.time() * 1000))
-    except Exception as e:
-        tracker.go_offline(f"link the evaluation to model {model_id}", e)
-
-
-def tag_rows(policy: Policy, tags: list[str], metrics: dict[str, float]) -> list[dict[str, object]]:
-    """One row per tag: ``tag``, ``success``, ``held_out`` (None: unknown, a model), ``success_means``;
-    the tags the policy was trained on first, then the held-out ones, each in the order given."""
-    from envs.registry import success_means
-
-    rows: list[dict[str, object]] = [
-        {
-            "tag": tag,
-            "success": metrics.get(f"val-env/{tag}/success"),
-            "held_out": policy.held_out(tag),
-            "success_means": success_means(tag) or "",
-        }
-        for tag in tags
-    ]
-    return sorted(rows, key=lambda r: bool(r["held_out"]))  # stable: the given order within each part
-
-
-def evaluation_markdown(label: str, rows: list[dict[str, object]], n: int, mlflow_run: str | None) -> str:
-    """The evaluation as markdown: success per tag, the trained-on tags apart from the held-out ones."""
-    lines = [f"## Evaluation of `{label}`", "", f"{n} episodes per tag (validation seeds)."]
-    if mlflow_run:
-        lines.append(f"MLflow run `{mlflow_run}`.")
-    lines += [
-        "",
-        "| tag | success | trained on it | an episode succeeds when |",
-        "| --- | ---: | --- | --- |",
-    ]
-    for r in rows:
-        held = r["held_out"]
-        part = "unknown (a model)" if held is None else ("**held out**" if held else "yes")
-        value = r["success"]
-        shown = f"{value:.3f}" if isinstance(value, float) else "-"
-        lines.append(f"| {r['tag']} | {shown} | {part} | {r['success_means']} |")
-    if any(r["held_out"] is True for r in rows):
-        lines += [
-            "",
-            "Held-out tags measure generalisation: compare them with the trained-on tags, never average them.",
-        ]
-    return "\n".join(lines) + "\n"
+    request, policy, plan = in_flow_run(plan_task)(request)  # an unknown run, model or tag fails here
+    played = in_flow_run(play_task)(request, policy, plan, str(state), log)
+    logged = in_flow_run(log_task)(request, policy, plan, played, str(state))
+    rows = tag_rows(policy, list(request.tags or []), played["metrics"])
+    evaluation_artifact(policy.label, rows, request, logged.run_id)
+    return evaluation_result(policy, Path(played["out_dir"]), played["metrics"], rows, logged)
 
 
 def evaluation_artifact(

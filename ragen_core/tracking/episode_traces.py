@@ -39,7 +39,6 @@ Like ``tracking.py``, this module imports ``mlflow`` lazily; only the Tracker ca
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from ragen_core.tracking.rendering import row_info, turns_of
 from ragen_core.trajectory import read_table
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -168,61 +168,6 @@ def _span_id(trace_id: str, index: int) -> int:
     return int(hashlib.sha256(f"{trace_id}/{index}".encode()).hexdigest()[:16], 16) or 1
 
 
-@dataclass
-class Turn:
-    """One assistant turn of an episode, as its span shows it."""
-
-    index: int  # 0-based over the episode's played turns
-    prompt: list[dict[str, str]] | None  # the messages the model saw; None: not stored (window)
-    response: str | None  # what the model wrote; None: outside the stored window
-    actions: list[str]
-    env_reply: str | None  # the next user message; None after the last turn
-    reward: float
-    format_penalty: float
-    info: dict[str, Any]
-
-
-def turns_of(row: Mapping[str, Any]) -> list[Turn]:
-    """The turns of a trajectory row, aligned with its per-turn columns.
-
-    ``messages`` alternate ``system, user, (assistant, user)*, assistant`` and hold the turns from
-    ``info["first_trained_turn"]`` on (all of them unless a context window cut the episode)."""
-    info = _info(row)
-    messages = [dict(m) for m in row["messages"] or []]
-    start = int(info.get("first_trained_turn", 0) or 0)
-    n_turns = len(row["turn_rewards"] or [])
-    penalties = list(info.get("turn_penalties") or [0.0] * n_turns)
-    infos = list(info.get("infos") or [{}] * n_turns)
-    assistant_at = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
-    out = []
-    for t in range(n_turns):
-        j = t - start  # the turn's place among the stored assistant messages
-        pos = assistant_at[j] if 0 <= j < len(assistant_at) else None
-        # With a window that cut earlier turns, only the last turn's window is the prompt it was given.
-        exact_prompt = pos is not None and (start == 0 or t == n_turns - 1)
-        reply = messages[pos + 1] if pos is not None and pos + 1 < len(messages) else None
-        out.append(
-            Turn(
-                index=t,
-                prompt=messages[:pos] if exact_prompt and pos is not None else None,
-                response=messages[pos]["content"] if pos is not None else None,
-                actions=list((row["actions"] or [[]] * n_turns)[t] or []),
-                env_reply=reply["content"] if reply is not None and reply.get("role") == "user" else None,
-                reward=float(row["turn_rewards"][t]),
-                format_penalty=float(penalties[t]) if t < len(penalties) else 0.0,
-                info=dict(infos[t]) if t < len(infos) and isinstance(infos[t], Mapping) else {},
-            )
-        )
-    return out
-
-
-def _info(row: Mapping[str, Any]) -> dict[str, Any]:
-    raw = row.get("info")
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    return json.loads(raw) if raw else {}
-
-
 def session_id(row: Mapping[str, Any], step: int) -> str:
     """The MLflow session of an episode: its group in its step (a group's members sit together)."""
     return f"{row['run_id']}/{row['split']}/iter_{step:04d}/group_{int(row['group_id'])}"
@@ -258,7 +203,7 @@ def build_trace(
 
     split, k, tag = str(row["split"]), int(step), str(row["env_tag"])
     trace_id = trace_id_for(mlflow_run_id, split, k, int(row["env_id"]))
-    info = _info(row)
+    info = row_info(row)
     turns = turns_of(row)
     messages = [dict(m) for m in row["messages"] or []]
     start_ns = start_ms * _NS_PER_MS

@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ragen_core.tracking.rendering import filter_decision
 from ragen_core.trajectory import from_table, read_table
 
 
@@ -36,7 +37,7 @@ def transcript_rows(path: Path, n: int, kept_rows: list[int] | None = None) -> l
                 "env_tag": t.env_tag,
                 "seed": t.seed,
                 "group_id": t.group_id,
-                "filter": "" if kept is None else ("kept" if i in kept else "dropped"),
+                "filter": filter_decision(None if kept is None else i in kept),
                 "success": t.success,
                 "score": t.score,
                 "turns": t.turn_count,

@@ -15,7 +15,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from flows.cli import app, success_per_tag, summarize
+from flows.cli import app
+from flows.cli.pipeline import success_per_tag
+from ragen_core.tracking.rendering import summarize
 from ragen_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not

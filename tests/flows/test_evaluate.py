@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.evaluate import (
+from flows.evaluate import evaluate
+from ragen_core.protocol import ProtocolConfig
+from ragen_core.run.evaluation import (
     EvaluateRequest,
     Policy,
     budgets,
-    evaluate,
     evaluation_markdown,
     resolve_policy,
     tag_rows,
 )
-from ragen_core.protocol import ProtocolConfig
 from ragen_core.trajectory import read_trajectories
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not

@@ -17,7 +17,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from flows.cli import RagenGroup, _QuietFailedRuns
+from flows.cli.common import RagenGroup, _QuietFailedRuns
 from ragen_core.errors import RagenError, describe, is_user_error
 from tests.flows.test_train import CONFIG, ROOT, ragen
 

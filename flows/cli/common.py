@@ -1,0 +1,134 @@
+"""What every command shares: the error wrapper, the console, the error exit, the services' process
+environment, and a metrics table."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import typer
+from typer.core import TyperGroup
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+class RagenGroup(TyperGroup):
+    """Runs every command (sub-commands of ``sweep`` too) and turns its exceptions into one line.
+
+    A user error (``ragen_core.errors.is_user_error``: a ``RagenError``, a config or preflight
+    error, a missing run or file, an unwritable folder, ...) prints its own message, which names the
+    cause, the file or key, and the fix; anything else prints ``internal error: <type>: <message>``.
+    ``--debug`` (or ``RAGEN_DEBUG=1``) lets the exception through with its traceback instead.
+    """
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # exits, Ctrl-C and usage errors (bad option values) are typer's to print
+        except Exception as exc:
+            from ragen_core.errors import describe, is_debug
+
+            if is_debug():
+                raise
+            fail(describe(exc))
+
+
+#: ``-h`` as well as ``--help``, on the app and (click contexts inherit it) on every command.
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"]}
+
+
+def console() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``message`` in red on stderr and exit with ``code`` (no traceback)."""
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="bold red"))
+    raise typer.Exit(code)
+
+
+def package_version() -> str:
+    """The installed ragen-flow's version, else (a source tree run without installing) pyproject's."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("ragen-flow")
+    except md.PackageNotFoundError:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+
+
+class _QuietFailedRuns(logging.Filter):
+    """Prefect reports a failed flow or task run as an ERROR with the whole traceback (~80 lines).
+
+    Sits on the ``prefect.flow_runs`` / ``prefect.task_runs`` loggers (a logger filter survives the
+    logging config Prefect applies when imported, so Prefect need not be imported to install it):
+    such a record still goes to those loggers' own handlers (Prefect's API: the UI keeps the
+    traceback) but not on to the console, where the CLI prints the error as one line. Everything
+    else (WARNING lines, errors without a traceback) passes; ``--debug`` lets everything through.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ragen_core.errors import is_debug
+
+        if record.levelno < logging.ERROR or not record.exc_info or is_debug():
+            return True
+        for handler in logging.getLogger(record.name).handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+        return False
+
+
+def _quiet_failed_runs() -> None:
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _QuietFailedRuns) for f in log.filters):
+            log.addFilter(_QuietFailedRuns())
+
+
+def prepare() -> Path:
+    """The process environment of the services (before Prefect, MLflow or Ray load) and a state
+    folder that is known to be writable: otherwise every command fails later, deep in a library."""
+    import os
+    import tempfile
+
+    from flows.settings import STATE_DIR, configure_environment
+    from ragen_core.progress import PROGRESS_ENV, show_progress_lines
+
+    try:
+        state = configure_environment()
+        os.environ.setdefault(PROGRESS_ENV, "1")  # long rollouts print progress, in Ray actors too
+        show_progress_lines()
+        with tempfile.TemporaryFile(dir=state):
+            pass
+    except OSError as exc:
+        fail(
+            f"state folder {STATE_DIR.resolve()} (RAGEN_STATE_DIR) is not writable: {exc.strerror or exc}; "
+            "set RAGEN_STATE_DIR to a writable folder"
+        )
+    _quiet_failed_runs()
+    return state
+
+
+def print_metrics(title: str, rows: dict[str, dict[str, float]]) -> None:
+    """One column per row of ``rows`` (a step, a tag), one line per metric."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    for col in rows:
+        table.add_column(col, justify="right")
+    keys = sorted({k for r in rows.values() for k in r})
+    for k in keys:
+        table.add_row(k, *(f"{r[k]:.3f}" if k in r else "" for r in rows.values()))
+    console().print(table)

@@ -1,0 +1,178 @@
+"""``ragen ui``: the MLflow UI (on the local store) and a Prefect server on 127.0.0.1, supervised
+together: each URL is printed once its server answers, and when one stops the other is stopped too."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from flows.cli.common import console, fail, prepare
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+#: name -> (process, URL, health path) of each server.
+Servers = dict[str, tuple[subprocess.Popen[bytes], str, str]]
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether something listens on 127.0.0.1:``port`` (or on every interface), so a server cannot bind it."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as the servers do: TIME_WAIT is no obstacle
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _healthy(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def _check_ports(mlflow_port: int, prefect_port: int) -> None:
+    """Checked before anything starts: a server that cannot bind dies, and a URL printed for a port
+    someone else holds would show that other server (another MLflow store, another Prefect)."""
+    if mlflow_port == prefect_port:
+        fail(f"--mlflow-port and --prefect-port are both {mlflow_port}; give them different ports")
+    for port, what, option in (
+        (mlflow_port, "MLflow UI", "--mlflow-port"),
+        (prefect_port, "Prefect server", "--prefect-port"),
+    ):
+        if _port_in_use(port):
+            fail(
+                f"port {port} on 127.0.0.1 is already in use, so the {what} cannot start on it; stop what "
+                f"listens there or pass another port: ragen ui {option} N"
+            )
+
+
+def _start_servers(uri: str, state: Path, mlflow_port: int, prefect_port: int) -> Servers:
+    """Each server in a process group of its own: stopping it stops the workers it starts, and Ctrl-C
+    reaches only this command, which then stops both in order. (A SIGKILLed `ragen ui` leaves them to
+    the watchdog of flows.settings.)"""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ}
+    env.pop("PREFECT_API_URL", None)
+    mlflow = [
+        str(bin_dir / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(mlflow_port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        uri,
+        "--artifacts-destination",
+        str(state / "mlartifacts"),
+    ]
+    prefect = [
+        str(bin_dir / "prefect"),
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(prefect_port),
+    ]
+    return {
+        "MLflow UI": (
+            subprocess.Popen(mlflow, env=env, start_new_session=True),
+            f"http://127.0.0.1:{mlflow_port}",
+            "/health",
+        ),
+        "Prefect server": (
+            subprocess.Popen(prefect, env=env, start_new_session=True),
+            f"http://127.0.0.1:{prefect_port}",
+            "/api/health",
+        ),
+    }
+
+
+def _watch(servers: Servers, waiting: set[str], out: Console) -> tuple[str, int]:
+    """Print each URL once its server answers (``waiting``: those that have not yet); return the
+    name and exit code of the first server that stops."""
+    while True:
+        for name, (proc, url, health) in servers.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+            if name in waiting and _healthy(url + health):
+                waiting.discard(name)
+                out.print(f"{name + ':':16}{url}")
+                if name == "Prefect server":
+                    out.print(f"  (use PREFECT_API_URL={url}/api to send flow runs there)")
+        time.sleep(0.5)
+
+
+def _stop_servers(servers: Servers) -> None:
+    """SIGTERM to each server's group, up to 10 s to exit, then SIGKILL to what is left of the group."""
+    for proc, _, _ in servers.values():
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for proc, _, _ in servers.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        with contextlib.suppress(ProcessLookupError):  # the group: workers outliving their server
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # `kill` stops both servers as Ctrl-C does
+
+
+def ui(
+    mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
+    prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect server port.")] = 4200,
+) -> None:
+    """Start the MLflow UI (on the local store) and a Prefect server on 127.0.0.1; Ctrl-C stops both.
+
+    Each URL is printed once its server answers. If either server stops, the other is stopped too
+    and the command exits non-zero, naming the one that stopped.
+    """
+    _check_ports(mlflow_port, prefect_port)
+    state = prepare()
+    from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(TrackingConfig(), state)
+    servers = _start_servers(uri, state, mlflow_port, prefect_port)
+    out = console()
+    out.print(f"starting the MLflow UI (store {uri}) and the Prefect server on 127.0.0.1 ...")
+    waiting = set(servers)
+    died: tuple[str, int] | None = None
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        died = _watch(servers, waiting, out)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _stop_servers(servers)
+    if died is not None:
+        name, code = died
+        other = next(n for n in servers if n != name)
+        fail(
+            f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output is "
+            f"above); stopped the {other} too"
+        )
