@@ -16,10 +16,11 @@ import pyarrow as pa
 import ray
 import torch
 
-from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.env_groups import EnvGroups, EnvGroupsConfig, Mode
 from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
 
@@ -93,7 +94,7 @@ class RolloutWorker:
 
         self.engine.update_weights(load_weight_files(path))
 
-    def set_groups(self, split: str, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
+    def set_groups(self, split: Mode, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
         """Play ``split`` with other env groups from now on (``ragen evaluate`` plays tags whose turn
         budgets differ one after another, on one loaded model)."""
         self.groups[split] = EnvGroups(

@@ -16,7 +16,8 @@ from ragen_core.learner.batch import to_token_batch
 from ragen_core.learner.update import Learner
 from ragen_core.protocol import ProtocolConfig, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
-from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.engine import SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
 from tests.tiny_policy import smallest_policy

@@ -159,7 +159,8 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     from ragen_core.learner.batch import to_token_batch
     from ragen_core.learner.update import Learner
     from ragen_core.protocol import ProtocolConfig
-    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.engine import SamplingParams
+    from ragen_core.rollout.hf_engine import HFEngine
     from ragen_core.rollout.runner import run_rollouts
     from ragen_core.trajectory import to_table
 

@@ -13,7 +13,8 @@ from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, PromptTooLongError, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import PromptTooLongError, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
 from ragen_core.trajectory import read_trajectories, write_trajectories
 

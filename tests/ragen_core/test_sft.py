@@ -25,7 +25,8 @@ from ragen_core.learner.sft import (
 )
 from ragen_core.models.policies import build_tiny_policy, load_policy
 from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
-from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from tests.ragen_core.test_runner import spans
 
