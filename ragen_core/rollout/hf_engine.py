@@ -269,39 +269,49 @@ class HFEngine(RolloutEngine):
         n = len(prompts)
         hit_rows = [i for i in range(n) if hits[i] is not None]
         miss_rows = [i for i in range(n) if hits[i] is None]
-        kept = [hits[i] for i in hit_rows]
-        kept_len = [k.length for k in kept if k is not None]
-        new_len = [len(prompts[i]) - c for i, c in zip(hit_rows, kept_len, strict=True)]
-        span_p, span_s = max(kept_len, default=0), max(new_len, default=0)
+        kept = [k for k in hits if k is not None]
+        new_len = [len(prompts[i]) - k.length for i, k in zip(hit_rows, kept, strict=True)]
+        span_p, span_s = max((k.length for k in kept), default=0), max(new_len, default=0)
         total = max(max((len(prompts[i]) for i in miss_rows), default=0), span_p + span_s)
         target = _PrefillTarget(n, total, total + extra)
         prompt_mask = torch.zeros((n, total), dtype=torch.long)
-
         if hit_rows:
-            out, part = self._prefill_continuations(
-                [prompts[i] for i in hit_rows], [k for k in kept if k is not None], span_p, span_s, device
-            )
-            target.allocate(out, part)
-            target.write(
-                torch.tensor(hit_rows, device=device), out, [(la.keys, la.values) for la in part.layers]
-            )
-            for i, c, sl in zip(hit_rows, kept_len, new_len, strict=True):
-                prompt_mask[i, total - span_s - c : total - span_s] = 1
-                prompt_mask[i, total - sl :] = 1
-            self.prefix_stats["prefilled"] += sum(new_len)
-            self.prefix_stats["reused"] += sum(kept_len)
-
+            self._prefill_kept(prompts, hit_rows, kept, (span_p, span_s), target, prompt_mask, device)
         # Identical prompts (a group's members at their first turn) are run once, for all their rows.
-        index: dict[tuple[int, ...], int] = {}
-        src = [index.setdefault(tuple(prompts[i]), len(index)) for i in miss_rows]
-        uniq = list(index)
-        rows_of: list[list[int]] = [[] for _ in uniq]
-        for i, u in zip(miss_rows, src, strict=True):
-            rows_of[u].append(i)
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for i in miss_rows:
+            rows_of.setdefault(tuple(prompts[i]), []).append(i)
             prompt_mask[i, total - len(prompts[i]) :] = 1
+        uniq = list(rows_of)
         for chunk in _length_chunks([len(p) for p in uniq], self.prefill_tokens):
-            self._prefill_chunk([uniq[u] for u in chunk], [rows_of[u] for u in chunk], target, device)
+            self._prefill_chunk([uniq[u] for u in chunk], [rows_of[uniq[u]] for u in chunk], target, device)
         return target.cache(self.model.config), target.filled_logits(), prompt_mask
+
+    def _prefill_kept(
+        self,
+        prompts: Sequence[Sequence[int]],
+        hit_rows: Sequence[int],
+        kept: Sequence[KeptKV],
+        spans: tuple[int, int],
+        target: _PrefillTarget,
+        prompt_mask: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        """Prefill the rows ``hit_rows`` on top of their ``kept`` prefixes (``spans``: the widest
+        kept part and the widest new part) into ``target``, and mark their tokens in ``prompt_mask``."""
+        span_p, span_s = spans
+        total = target.total
+        out, part = self._prefill_continuations([prompts[i] for i in hit_rows], kept, span_p, span_s, device)
+        target.allocate(out, part)
+        target.write(torch.tensor(hit_rows, device=device), out, [(la.keys, la.values) for la in part.layers])
+        for i, entry in zip(hit_rows, kept, strict=True):
+            new = len(prompts[i]) - entry.length
+            prompt_mask[i, total - span_s - entry.length : total - span_s] = 1
+            prompt_mask[i, total - new :] = 1
+        self.prefix_stats["prefilled"] += sum(
+            len(prompts[i]) - k.length for i, k in zip(hit_rows, kept, strict=True)
+        )
+        self.prefix_stats["reused"] += sum(k.length for k in kept)
 
     def _prefill_stock(
         self, prompts: Sequence[Sequence[int]], width: int, device: torch.device

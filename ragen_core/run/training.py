@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import ray_actor_lost
 from ragen_core.integrity import record
-from ragen_core.models.importing import model_provenance
+from ragen_core.models.provenance import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
 from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.run.lineage import SystemMetrics, log_lineage
@@ -47,7 +47,7 @@ from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
 from ragen_core.tracking.tracker import RunStatus, Tracker
 
-Log = logging.Logger | logging.LoggerAdapter
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
 Iteration = Callable[[int], Mapping[str, float]]
 
