@@ -39,6 +39,7 @@ Like ``tracking.py``, this module imports ``mlflow`` lazily; only the Tracker ca
 from __future__ import annotations
 
 import hashlib
+import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -386,7 +387,7 @@ Trace = tuple["TraceInfo", list["Span"]]
 
 
 def traces_of_file(
-    path: str | Path,
+    path: str | os.PathLike[str],
     step: int,
     *,
     experiment_id: str,
