@@ -273,7 +273,7 @@ def run_trl(args: argparse.Namespace, chan: Channel) -> None:
         dataloader_num_workers=0,
     )
 
-    class Timed(GRPOTrainer):  # type: ignore[misc]
+    class Timed(GRPOTrainer):
         def _generate_and_score_completions(self, inputs: Any) -> Any:
             t = time.perf_counter()
             out = super()._generate_and_score_completions(inputs)
@@ -281,7 +281,7 @@ def run_trl(args: argparse.Namespace, chan: Channel) -> None:
             stats["completion_tokens"] = float(out["completion_mask"].sum()) / len(out["completion_mask"])
             return out
 
-    class Gate(TrainerCallback):  # type: ignore[misc]
+    class Gate(TrainerCallback):
         """Reports each optimiser step's time and holds the loop until the parent's next ``go``."""
 
         def __init__(self) -> None:
