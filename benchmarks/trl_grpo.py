@@ -128,11 +128,11 @@ def run_ragen(args: argparse.Namespace, chan: Channel) -> None:
     import pyarrow as pa
     import torch
 
-    from ragen_core.collapse_probe import collapse_due, collapse_metrics
-    from ragen_core.run_dir import create_run
-    from ragen_core.session import Session
-    from ragen_core.stages import init_policy_stage, sampling_params, select_rollouts
-    from ragen_core.trajectory import to_token_batch
+    from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
+    from ragen_core.run.run_dir import create_run
+    from ragen_core.run.session import Session
+    from ragen_core.run.stages import init_policy_stage, sampling_params, select_rollouts
+    from ragen_core.learner.batch import to_token_batch
 
     t0 = time.perf_counter()
     cfg = load_bench_config(args.config, args.threads, args.run_root, args.set)
@@ -177,7 +177,7 @@ def bandit_prompts(cfg: Any, rounds: int) -> tuple[list[dict[str, Any]], list[li
     """One dataset row per (train round, group): the runner's exact prompt text (chat template,
     generation prompt, forced prefix) and its token ids as the runner encodes them."""
     from ragen_core.env_groups import EnvGroups
-    from ragen_core.models import load_tokenizer
+    from ragen_core.models.policies import load_tokenizer
     from ragen_core.protocol import forced_prefix
     from ragen_core.rollout.runner import Segments
 
