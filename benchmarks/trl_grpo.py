@@ -128,11 +128,11 @@ def run_ragen(args: argparse.Namespace, chan: Channel) -> None:
     import pyarrow as pa
     import torch
 
+    from ragen_core.learner.batch import to_token_batch
     from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
     from ragen_core.run.run_dir import create_run
     from ragen_core.run.session import Session
     from ragen_core.run.stages import init_policy_stage, sampling_params, select_rollouts
-    from ragen_core.learner.batch import to_token_batch
 
     t0 = time.perf_counter()
     cfg = load_bench_config(args.config, args.threads, args.run_root, args.set)
