@@ -14,6 +14,12 @@ shared memory (``/dev/shm`` when there is one) and asks every vLLM worker to loa
 (vLLM's ``worker_extension_cls`` + ``collective_rpc``, then ``reset_prefix_cache``): the engine is
 never restarted. On a GPU the same path copies host -> device inside the worker.
 
+Constrained action decoding: ``generate(..., constraints=)`` sends each
+:class:`~ragen_core.rollout.constrained.AnswerConstraint` as its spec (token ids, no tokenizer); the
+child runs the same grammar as a vLLM logits processor and returns, per generated token, the allowed
+ids and the log-prob renormalised over them, as :class:`~ragen_core.rollout.engine.HFEngine` does
+(``vllm_server`` module docstring).
+
 Log-probs are vLLM's ``raw_logprobs`` (log-softmax of the raw logits, temperature 1), the
 convention of :mod:`ragen_core.rollout.engine`. Seeds: request ``i`` uses vLLM's per-request
 generator seeded with ``seeds[i]``: reproducible for vLLM, but a different random stream from
@@ -36,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ragen_core.rollout.constrained import AnswerConstraint, ConstraintError
+from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts, resolve_seeds
 from ragen_core.state_folder import cache_dir
 
@@ -302,19 +308,26 @@ class VLLMEngine(RolloutEngine):
             self.close()
 
 
+def grammar_size_problem(grammar: ActionGrammar) -> str | None:
+    """Why the vllm engine cannot run ``grammar``, or None: the renormalisation needs the raw log-prob of
+    every token the grammar can allow, and vLLM reports at most ``VLLM_MAX_GRAMMAR_TOKENS`` per step."""
+    n = len(grammar.vocabulary())
+    if n <= VLLM_MAX_GRAMMAR_TOKENS:
+        return None
+    return (
+        f"agent.action_decoding=constrained with rollout.engine=vllm: the answer grammar spells its "
+        f"actions, separator and closing tag with {n} distinct tokens, and vLLM returns the log-probs of "
+        f"at most {VLLM_MAX_GRAMMAR_TOKENS} chosen tokens per step; use rollout.engine=hf, or fewer or "
+        "shorter action names"
+    )
+
+
 def _constraint_spec(constraint: AnswerConstraint) -> dict[str, Any]:
-    """What vLLM's side needs to run ``constraint``; refuses a grammar whose tokens vLLM cannot all
-    report a log-prob for (the renormalisation needs every allowed token's)."""
-    spec = constraint.spec()
-    n = len(constraint.grammar.vocabulary())
-    if n > VLLM_MAX_GRAMMAR_TOKENS:
-        raise ConstraintError(
-            f"agent.action_decoding=constrained with rollout.engine=vllm: the answer grammar spells its "
-            f"actions, separator and closing tag with {n} distinct tokens, and vLLM returns the log-probs "
-            f"of at most {VLLM_MAX_GRAMMAR_TOKENS} chosen tokens per step; use rollout.engine=hf, or fewer "
-            "or shorter action names"
-        )
-    return spec
+    """What vLLM's side needs to run ``constraint`` (refused, naming the fix, where it cannot)."""
+    problem = grammar_size_problem(constraint.grammar)
+    if problem:
+        raise ConstraintError(problem)
+    return constraint.spec()
 
 
 def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> VLLMEngine:
@@ -341,4 +354,11 @@ def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs:
     )
 
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "check_vllm", "engine_from_policy", "vllm_python"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMUnavailableError",
+    "check_vllm",
+    "engine_from_policy",
+    "grammar_size_problem",
+    "vllm_python",
+]
