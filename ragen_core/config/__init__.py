@@ -110,15 +110,11 @@ def played_actions(cfg: RagenConfig) -> list[tuple[str, str, list[str] | None]]:
 
 
 def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
-    """Constrained decoding needs an engine that implements it and environments with a list of actions."""
+    """Constrained decoding needs environments with a list of actions (both rollout engines implement it;
+    what only the vllm engine limits, the number of distinct grammar tokens, preflight checks)."""
     if cfg.agent.action_decoding != "constrained":
         return []
     problems = []
-    if cfg.rollout.engine != "hf":
-        problems.append(
-            f"agent.action_decoding=constrained is implemented by the hf rollout engine, not by "
-            f"rollout.engine={cfg.rollout.engine}; set rollout.engine=hf or agent.action_decoding=free"
-        )
     for key, tag, actions in played_actions(cfg):
         if actions is None:
             problems.append(
