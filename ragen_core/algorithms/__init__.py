@@ -30,7 +30,6 @@ from ragen_core.algorithms.filter_metrics import (
 )
 from ragen_core.algorithms.filtering import (
     FILTER_KEEP,
-    FILTER_MODES,
     FILTER_STRATEGIES,
     LOSS_SCALINGS,
     TOP_P_MODES,
@@ -42,7 +41,6 @@ from ragen_core.algorithms.filtering import (
     kept_group_count,
     min_p_groups,
     select_by_value,
-    select_groups,
     top_k_groups,
     top_p_groups,
 )
@@ -62,7 +60,6 @@ __all__ = [
     "AGG_MODES",
     "FILTER_KEEP",
     "FILTER_METRICS",
-    "FILTER_MODES",
     "FILTER_STRATEGIES",
     "KL_KINDS",
     "LOSS_SCALINGS",
@@ -98,7 +95,6 @@ __all__ = [
     "rloo",
     "sampled_token_entropy",
     "select_by_value",
-    "select_groups",
     "soft_advantage_weights",
     "top_k_groups",
     "top_p_groups",
