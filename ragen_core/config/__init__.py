@@ -345,7 +345,7 @@ class RagenConfig(BaseModel):
                 f"(rollout.filter.metric={f.metric}); set rollout.filter.value=1 (with strategy top_k or "
                 "top_p: no filtering), another rollout.filter.metric, or train.group_size>=2"
             )
-        if g.group_size == 1 and algo.adv_estimator in ("grpo", "rloo"):
+        if g.group_size == 1 and algo.group_baseline:
             raise ValueError(
                 f"learner.algorithm.adv_estimator={algo.adv_estimator} needs train.group_size>=2 "
                 "(its baseline is the group)"
