@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    cfg = load_config(CONFIG, [f"train.n_groups=[{args.groups}]", "rollout.filter_ratio=1"])
+    cfg = load_config(CONFIG, [f"train.n_groups=[{args.groups}]", "rollout.filter.value=1"])
     model, tok = policy_from_config(cfg.model)
     model.eval()
     groups = EnvGroups(cfg.train, cfg.agent)

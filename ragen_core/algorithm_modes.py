@@ -28,7 +28,9 @@ def kept_group_count(ratio: float, n_groups: int) -> int:
     point, where 0.58·25 = 14.499999999999998 would round down. ``n_groups == 0`` keeps 0.
     """
     if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"rollout_filter_ratio must be in (0, 1], got {ratio}")
+        raise ValueError(
+            f"the kept fraction of the groups (rollout.filter.value) must be in (0, 1], got {ratio}"
+        )
     if n_groups <= 0:
         return 0
     exact = Decimal(repr(float(ratio))) * n_groups

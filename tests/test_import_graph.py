@@ -64,7 +64,7 @@ def _layer(module: str) -> int:
 CORE_LAYERS: dict[str, set[str]] = {
     "base": set(),
     "algorithms": {"base"},
-    "config": {"base"},
+    "config": {"base", "algorithms"},  # the registries' names (ragen_core.algorithms.registry, no torch)
     "models": {"base", "config"},
     "rollout": {"base", "algorithms", "models"},
     "learner": {"base", "algorithms", "config", "models", "rollout"},

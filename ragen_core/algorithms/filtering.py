@@ -23,7 +23,6 @@ from ragen_core.algorithms.filter_metrics import group_filter_metric
 
 __all__ = [
     "FILTER_KEEP",
-    "FILTER_MODES",
     "FILTER_STRATEGIES",
     "LOSS_SCALINGS",
     "TOP_P_MODES",
@@ -35,13 +34,10 @@ __all__ = [
     "kept_group_count",
     "min_p_groups",
     "select_by_value",
-    "select_groups",
     "top_k_groups",
     "top_p_groups",
 ]
 
-#: The two modes of :func:`select_groups` (the ``rollout.filter_type`` of earlier configs).
-FILTER_MODES = ("std", "std_rev")
 FILTER_STRATEGIES = ("top_p", "top_k", "top_k_abs", "min_p")
 FILTER_KEEP = ("largest", "smallest")
 TOP_P_MODES = ("linear", "softmax")
@@ -230,8 +226,11 @@ def filter_rollouts(
         K    = select_by_value(v, strategy, value, keep, include_zero, top_p_mode, selection_eps)
         keep trajectory i  iff  its group is in K
 
-    With ``strategy="top_k", metric="reward_variance", keep="largest", include_zero=True`` this is
-    exactly :func:`select_groups` at ``ratio=value``. An empty batch keeps nothing.
+    With ``strategy="top_k", metric="reward_variance", keep="largest", include_zero=True`` (the
+    defaults of ``rollout.filter``) this is the paper's StarPO-S filter: the ``kept_group_count(value,
+    G)`` groups with the largest unbiased in-group score std. An empty batch keeps nothing.
+
+    The arguments are the keys of ``rollout.filter`` under the same names.
     """
     scores = _scores_1d(scores)
     index, n_groups = group_index(group_ids, scores.shape[0])
@@ -241,46 +240,6 @@ def filter_rollouts(
     values = group_filter_metric(metric, scores, group_ids, logprobs, mask)
     kept_groups = select_by_value(values, strategy, value, keep, include_zero, top_p_mode, selection_eps)
     return GroupSelection(kept_groups[index].to(scores.device), values, kept_groups)
-
-
-def select_groups(
-    scores: torch.Tensor,
-    group_ids: torch.Tensor | Sequence[Hashable],
-    ratio: float,
-    mode: str = "std",
-) -> torch.Tensor:
-    """StarPO-S uncertainty filter: a per-trajectory keep mask selecting whole groups.
-
-        σ_g = unbiased std of {s_i : i ∈ g}
-        k   = kept_group_count(ratio, G)        (G groups; max(1, round half up of ratio·G))
-        keep the k groups with the largest σ_g ("std") or the smallest ("std_rev")
-
-    That is :func:`filter_rollouts` with strategy ``top_k``, metric ``reward_variance`` and keep
-    ``largest`` ("std") / ``smallest`` ("std_rev"). Ties are broken by the order in which groups first
-    appear in ``group_ids`` (earlier first), so the result is deterministic. ``ratio == 1`` keeps
-    everything (any group size). A group of size 1 with ratio < 1 raises ValueError (its std is
-    undefined). An empty batch returns an empty mask.
-
-    Args:
-        scores: (N,) score of each trajectory (env reward + format penalty, before normalisation).
-        group_ids: N group ids (tensor of ints or any hashables).
-        ratio: fraction of groups to keep, in (0, 1].
-        mode: "std" or "std_rev".
-    Returns:
-        (N,) bool keep mask.
-    """
-    if mode not in FILTER_MODES:
-        raise ValueError(f"unknown rollout filter mode {mode!r}; valid modes: {', '.join(FILTER_MODES)}")
-    if not 0.0 < ratio <= 1.0:
-        raise ValueError(f"rollout_filter_ratio must be in (0, 1], got {ratio}")
-    scores = _scores_1d(scores)
-    index, n_groups = group_index(group_ids, scores.shape[0])
-    if ratio < 1.0 and n_groups and bool((group_moments(scores, index, n_groups)[0] < 2).any()):
-        raise ValueError(
-            "group_size 1 has no in-group variance; use group_size >= 2 or rollout_filter_ratio=1"
-        )
-    keep = "largest" if mode == "std" else "smallest"
-    return filter_rollouts(scores, group_ids, "top_k", ratio, "reward_variance", keep).keep
 
 
 def filter_loss_scale(kept_groups: int, n_groups: int, mode: str) -> float:

@@ -44,6 +44,20 @@ REMOVED_KEYS: dict[tuple[str, ...], str] = {
     # The pipeline always wrote the demonstrations in the run's agent protocol; this copy was unused.
     ("sft", "protocol"): "removed: the warm start writes its demonstrations in the run's agent protocol; "
     "set agent.* instead (e.g. agent.enable_think)",
+    ("rollout", "filter_ratio"): "renamed: write rollout.filter.value (the fraction of the groups kept by "
+    "the default rollout.filter.strategy top_k), e.g. rollout.filter.value=0.5",
+    ("rollout", "filter_type"): "renamed: write rollout.filter.keep (std is largest, std_rev is smallest), "
+    "e.g. rollout.filter.keep=smallest",
+}
+
+#: The :data:`REMOVED_KEYS` that live on under another name: old path -> (new path, old value -> new
+#: value where the values were respelled too). ``load_config(..., stored=True)`` moves them, so a run
+#: directory written before the rename (its config.yaml holds every field of its day) loads to the same
+#: config, with the same hash. The old filter keys meant ``strategy: top_k, metric: reward_variance,
+#: include_zero: true``: the defaults, so only the value and the kept end move.
+RENAMED_KEYS: dict[tuple[str, ...], tuple[tuple[str, ...], dict[Any, Any]]] = {
+    ("rollout", "filter_ratio"): (("rollout", "filter", "value"), {}),
+    ("rollout", "filter_type"): (("rollout", "filter", "keep"), {"std": "largest", "std_rev": "smallest"}),
 }
 
 
@@ -110,15 +124,11 @@ def played_actions(cfg: RagenConfig) -> list[tuple[str, str, list[str] | None]]:
 
 
 def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
-    """Constrained decoding needs an engine that implements it and environments with a list of actions."""
+    """Constrained decoding needs environments with a list of actions (both rollout engines implement it;
+    what only the vllm engine limits, the number of distinct grammar tokens, preflight checks)."""
     if cfg.agent.action_decoding != "constrained":
         return []
     problems = []
-    if cfg.rollout.engine != "hf":
-        problems.append(
-            f"agent.action_decoding=constrained is implemented by the hf rollout engine, not by "
-            f"rollout.engine={cfg.rollout.engine}; set rollout.engine=hf or agent.action_decoding=free"
-        )
     for key, tag, actions in played_actions(cfg):
         if actions is None:
             problems.append(
@@ -127,12 +137,6 @@ def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
                 "environment with actions (Bandit, FrozenLake, Sokoban)"
             )
     return problems
-
-
-#: The keys of earlier configs that ``rollout.filter`` replaced, and what each one means there.
-LEGACY_FILTER_KEYS = ("filter_ratio", "filter_type")
-#: ``rollout.filter_type`` -> ``rollout.filter.keep``.
-_LEGACY_FILTER_TYPES = {"std": "largest", "std_rev": "smallest"}
 
 
 class RolloutFilterConfig(BaseModel):
@@ -200,48 +204,6 @@ class RolloutFilterConfig(BaseModel):
         return None
 
 
-def _map_legacy_filter_keys(rollout: dict[str, Any]) -> dict[str, Any]:
-    """``rollout`` with ``filter_ratio`` / ``filter_type`` moved into its ``filter`` section.
-
-    The old keys mean ``strategy: top_k, metric: reward_variance, include_zero: true`` with
-    ``value = filter_ratio`` and ``keep = largest | smallest`` for ``filter_type = std | std_rev``. A
-    ``filter`` key set to something else beside them is an error naming both; an old key set to null
-    counts as absent (so ``--set rollout.filter_ratio=null`` lifts a config file's old key).
-    """
-    given = {k: rollout[k] for k in LEGACY_FILTER_KEYS if rollout.get(k) is not None}
-    out = {k: v for k, v in rollout.items() if k not in LEGACY_FILTER_KEYS}
-    if not given:
-        return out
-    implied: dict[str, Any] = {"strategy": "top_k", "metric": "reward_variance", "include_zero": True}
-    if "filter_ratio" in given:
-        implied["value"] = given["filter_ratio"]
-    if "filter_type" in given:
-        kind = given["filter_type"]
-        if kind not in _LEGACY_FILTER_TYPES:
-            raise ValueError(
-                f"rollout.filter_type={kind!r} is not std or std_rev; set rollout.filter_type to std (keep the "
-                "largest score std) or std_rev (the smallest), or use rollout.filter.keep"
-            )
-        implied["keep"] = _LEGACY_FILTER_TYPES[kind]
-    section = out.get("filter")
-    if section is None:
-        section = {}
-    if not isinstance(section, dict):
-        return out  # the section's own validation names the key
-    clashes = [k for k, v in implied.items() if k in section and section[k] != v]
-    if clashes:
-        old = ", ".join(f"rollout.{k}={given[k]}" for k in given)
-        new = ", ".join(f"rollout.filter.{k}={section[k]}" for k in clashes)
-        raise ValueError(
-            f"{old} (the old spelling of rollout.filter with strategy=top_k, metric=reward_variance, "
-            f"include_zero=true) disagrees with {new}; set the filter in one place: remove "
-            f"{' and '.join(f'rollout.{k}' for k in given)} (or --set rollout.{next(iter(given))}=null), "
-            "or drop the clashing rollout.filter keys"
-        )
-    out["filter"] = {**section, **implied}
-    return out
-
-
 class RolloutConfig(BaseModel):
     """Generation settings (RAGEN's defaults) and the StarPO-S filter (docs/architecture.md, "Agent text
     protocol" and "Algorithms contract")."""
@@ -261,7 +223,7 @@ class RolloutConfig(BaseModel):
     val_temperature: float = Field(default=0.5, ge=0.0, description="validation rollouts")
     filter: RolloutFilterConfig = Field(
         default_factory=RolloutFilterConfig,
-        description="StarPO-S rollout filter; the old keys filter_ratio / filter_type are still read into it",
+        description="StarPO-S rollout filter (default: the 25% of groups with the largest score variance)",
     )
     max_batch_size: int | None = Field(default=None, ge=1, description="engine micro-batch (memory only)")
     max_model_len: int | None = Field(default=None, ge=16, description="prompt + generation limit")
@@ -354,15 +316,6 @@ class RagenConfig(BaseModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_keys(cls, data: Any) -> Any:
-        # Here rather than on RolloutConfig: a clash of two keys is a cross-field message, which
-        # _explain prints as it is (a section's own error would be followed by the whole section).
-        if isinstance(data, dict) and isinstance(data.get("rollout"), dict):
-            data = {**data, "rollout": _map_legacy_filter_keys(data["rollout"])}
-        return data
-
     @model_validator(mode="after")
     def _combinations(self) -> RagenConfig:
         # Tags and shapes are checked here, not where they are used: a typo there surfaces after the
@@ -385,10 +338,10 @@ class RagenConfig(BaseModel):
             what = f.metric.removesuffix("_variance")
             raise ValueError(
                 f"train.group_size=1 has no in-group {what} variance for the StarPO-S filter "
-                f"(rollout.filter.metric={f.metric}); set rollout.filter_ratio=1 (rollout.filter.value=1 with "
-                "strategy top_k or top_p: no filtering), another rollout.filter.metric, or train.group_size>=2"
+                f"(rollout.filter.metric={f.metric}); set rollout.filter.value=1 (with strategy top_k or "
+                "top_p: no filtering), another rollout.filter.metric, or train.group_size>=2"
             )
-        if g.group_size == 1 and algo.adv_estimator in ("grpo", "rloo"):
+        if g.group_size == 1 and algo.group_baseline:
             raise ValueError(
                 f"learner.algorithm.adv_estimator={algo.adv_estimator} needs train.group_size>=2 "
                 "(its baseline is the group)"
@@ -410,7 +363,7 @@ class RagenConfig(BaseModel):
             raise ValueError(
                 f"learner.optim.mini_batch_size={mb} is larger than the filtered batch ({kept} = "
                 f"{shown} kept groups x {g.group_size}); lower learner.optim.mini_batch_size to "
-                f"<= {kept} or raise rollout.filter_ratio (rollout.filter.value) / train.n_groups"
+                f"<= {kept} or raise rollout.filter.value / train.n_groups"
             )
         norm = algo.reward_normalization
         largest = {"state": g.group_size, "inductive": max(g.n_groups) * g.group_size, "batch": kept}
@@ -528,14 +481,40 @@ def _drop_removed(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _move_renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the :data:`RENAMED_KEYS` an earlier version wrote moved to their new paths, their
+    values respelled (a copy; ``data`` is kept). A new key already set keeps its value."""
+    out = dict(data)
+    for old_path, (new_path, values) in RENAMED_KEYS.items():
+        parent = out
+        for key in old_path[:-1]:
+            if not isinstance(parent.get(key), dict):
+                break
+            parent[key] = dict(parent[key])  # copy the path down, so the caller's dicts are not changed
+            parent = parent[key]
+        else:
+            if old_path[-1] not in parent:
+                continue
+            value = parent.pop(old_path[-1])
+            if value is None:
+                continue
+            node = out
+            for key in new_path[:-1]:
+                node[key] = dict(node.get(key) or {})
+                node = node[key]
+            node.setdefault(new_path[-1], values.get(value, value))
+    return out
+
+
 def load_config(
     path: str | Path | None = None, overrides: Iterable[str] = (), *, stored: bool = False
 ) -> RagenConfig:
     """Load a YAML config (or the defaults) and apply ``KEY=VALUE`` overrides.
 
     ``stored``: ``path`` is a run's own config.yaml, maybe written by an earlier version; keys that
-    version wrote and this one removed (:data:`REMOVED_KEYS`) are dropped from the file (not from
-    ``overrides``), so old runs still load, resume and rerun.
+    version wrote and this one renamed (:data:`RENAMED_KEYS`) are moved to their new names, and those
+    it removed (:data:`REMOVED_KEYS`) are dropped, in the file (not in ``overrides``), so old runs
+    still load, resume and rerun.
     """
     data: dict[str, Any] = {}
     source = "(defaults)"
@@ -561,7 +540,7 @@ def load_config(
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         source = str(p)
         if stored:
-            data = _drop_removed(data)
+            data = _drop_removed(_move_renamed(data))
     data = _merge(data, parse_overrides(overrides))
     try:
         return RagenConfig.model_validate(data)

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragen_core.algorithm_modes import AGG_MODES, KL_KINDS
+from ragen_core.algorithms.registry import ADV_ESTIMATORS, POLICY_LOSSES
 
 __all__ = ["AlgorithmConfig", "LearnerConfig", "LoraConfig", "OptimConfig", "RewardNormalizationConfig"]
 
@@ -44,10 +45,16 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+    adv_estimator: str = Field(
         default="gae",
-        description="gae: PPO with a critic; grpo: group-normalised score; rloo: leave-one-out "
-        "baseline; reinforce_pp: REINFORCE++ (whitened discounted returns, no critic)",
+        description="a registered advantage estimator (ragen_core.algorithms.registry): gae (PPO with a "
+        "critic), grpo (group-normalised score), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: "
+        "whitened discounted returns, no critic), or one a plug-in registered",
+    )
+    policy_loss: str = Field(
+        default="vanilla",
+        description="a registered policy loss (ragen_core.algorithms.registry; veRL's policy_loss.loss_mode): "
+        "vanilla (PPO's clipped surrogate with clip-higher and dual clip), or one a plug-in registered",
     )
     gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="discount over trained tokens")
     lam: float = Field(default=1.0, ge=0.0, le=1.0, description="GAE lambda")
@@ -113,6 +120,20 @@ class AlgorithmConfig(BaseModel):
         "(the critic still trains)",
     )
 
+    @field_validator("adv_estimator")
+    @classmethod
+    def _estimator(cls, v: str) -> str:
+        if v not in ADV_ESTIMATORS:
+            raise ValueError(ADV_ESTIMATORS.unknown(v))
+        return v
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _policy_loss(cls, v: str) -> str:
+        if v not in POLICY_LOSSES:
+            raise ValueError(POLICY_LOSSES.unknown(v))
+        return v
+
     @field_validator("loss_agg_mode")
     @classmethod
     def _agg(cls, v: str) -> str:
@@ -163,7 +184,13 @@ class AlgorithmConfig(BaseModel):
 
     @property
     def use_critic(self) -> bool:
-        return self.adv_estimator == "gae"
+        """The estimator reads a critic's values (registered with ``critic=True``)."""
+        return ADV_ESTIMATORS[self.adv_estimator].critic
+
+    @property
+    def group_baseline(self) -> bool:
+        """The estimator's baseline is the trajectory's group (registered with ``group_baseline=True``)."""
+        return ADV_ESTIMATORS[self.adv_estimator].group_baseline
 
     @property
     def use_ref(self) -> bool:

@@ -123,7 +123,7 @@ def _check_shapes(batch: TokenBatch) -> int:
     if n == 0:
         raise BadBatchError(
             "0 trajectories after filtering: nothing to train on. Keep more groups (raise "
-            "rollout.filter_ratio, the fraction of groups kept) or raise the number of env groups"
+            "rollout.filter.value, the fraction of groups kept) or raise the number of env groups"
         )
     token_fields = ["input_ids", "attention_mask", "loss_mask", "turn_index"]
     if getattr(batch, "rollout_logprobs", None) is not None:
@@ -183,7 +183,7 @@ def _check_for_config(
         raise BadBatchError(
             f"optim.mini_batch_size={cfg.optim.mini_batch_size} is larger than the {n} trajectories "
             f"of this batch (after filtering): set optim.mini_batch_size <= {n}, or keep more "
-            "trajectories (raise rollout.filter_ratio, env groups or group size)"
+            "trajectories (raise rollout.filter.value, env groups or group size)"
         )
     alg = cfg.algorithm
     if alg.use_turn_scores and turn_scores is None:

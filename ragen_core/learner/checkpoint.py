@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 import safetensors.torch
@@ -54,12 +54,16 @@ __all__ = [
     "MANIFEST",
     "OPTIM_PRUNED",
     "CheckpointError",
+    "LearnerState",
     "LoadedCheckpoint",
     "load_into",
+    "load_learner",
     "manifest_digest",
+    "merged_policy_state",
     "model_signature",
     "prune_optimizer_state",
     "read_checkpoint",
+    "save_learner",
     "set_rng_state",
     "verify_checkpoint",
     "write_checkpoint",
@@ -449,3 +453,126 @@ def _fsync_tree(root: Path) -> None:
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
+
+
+class LearnerState(Protocol):
+    """What a learner holds that its checkpoint saves and restores (``ragen_core.learner.update.Learner``)."""
+
+    global_step: int
+    skipped_steps: int
+
+    @property
+    def policy(self) -> nn.Module: ...
+    @property
+    def critic(self) -> nn.Module | None: ...
+    @property
+    def cfg(self) -> LearnerConfig: ...
+    @property
+    def lora(self) -> bool: ...
+    @property
+    def actor_optim(self) -> torch.optim.Optimizer: ...
+    @property
+    def actor_sched(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+    @property
+    def critic_optim(self) -> torch.optim.Optimizer | None: ...
+    @property
+    def critic_sched(self) -> torch.optim.lr_scheduler.LRScheduler | None: ...
+
+
+def save_learner(
+    learner: LearnerState, path: str | os.PathLike[str], iteration: int, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write everything ``learner`` needs to resume into ``path`` atomically (the layout: this module's
+    docstring); ``extra`` is stored in the manifest. An ``OSError`` (full disk) is
+    raised as ``StorageWriteError`` naming the checkpoint."""
+    training_state = {
+        "actor_optim": learner.actor_optim.state_dict(),
+        "actor_sched": learner.actor_sched.state_dict(),
+        "critic_optim": None if learner.critic_optim is None else learner.critic_optim.state_dict(),
+        "critic_sched": None if learner.critic_sched is None else learner.critic_sched.state_dict(),
+        "global_step": learner.global_step,
+        "skipped_steps": learner.skipped_steps,
+    }
+    return write_checkpoint(
+        path,
+        iteration,
+        policy=learner.policy,
+        critic=learner.critic,
+        training_state=training_state,
+        cfg=learner.cfg,
+        extra=extra,
+    )
+
+
+def load_learner(learner: LearnerState, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Restore ``learner`` from a :func:`save_learner` folder; returns ``{"iteration", "global_step",
+    "extra"}``.
+
+    Everything is read and checked before anything is changed (``checkpoint.read_checkpoint``):
+    a damaged file, a checkpoint of another model or a missing / unreadable file raises
+    ``CheckpointError`` naming it and leaves this learner as it was.
+    """
+    ckpt = read_checkpoint(
+        path,
+        policy=learner.policy,
+        critic=learner.critic,
+        cfg=learner.cfg,
+        actor_optim=learner.actor_optim,
+        critic_optim=learner.critic_optim,
+    )
+    # Everything is readable and fits: apply.
+    with torch.no_grad():
+        if learner.lora:
+            import peft
+
+            peft.set_peft_model_state_dict(learner.policy, ckpt.policy)
+        else:
+            load_into(learner.policy, ckpt.policy)
+        if learner.critic is not None:
+            load_into(learner.critic, cast("dict[str, torch.Tensor]", ckpt.critic))  # read with the critic
+    state = ckpt.training_state
+    learner.actor_optim.load_state_dict(state["actor_optim"])
+    learner.actor_sched.load_state_dict(state["actor_sched"])
+    if learner.critic_optim is not None:
+        learner.critic_optim.load_state_dict(state["critic_optim"])
+        # built with critic_optim
+        cast(torch.optim.lr_scheduler.LRScheduler, learner.critic_sched).load_state_dict(
+            state["critic_sched"]
+        )
+    learner.global_step = int(state["global_step"])
+    learner.skipped_steps = int(state["skipped_steps"])
+    set_rng_state(ckpt.rng)
+    return {
+        "iteration": ckpt.manifest["iteration"],
+        "global_step": learner.global_step,
+        "extra": ckpt.manifest["extra"],
+    }
+
+
+def merged_policy_state(policy: nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """Full policy weights on CPU under the plain model's names (LoRA merged in), for rollout actors."""
+    if not lora:
+        return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
+    from peft.tuners.lora import LoraLayer
+
+    base = cast("PeftModel", policy).get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = cast(torch.Tensor, module.get_base_layer().weight).detach()
+            # peft defines get_delta_weight on each concrete LoraLayer (Linear, ...), not the base
+            delta = sum(
+                module.get_delta_weight(a)  # type: ignore[attr-defined]
+                for a in module.active_adapters
+                if a in module.lora_A
+            )
+            out[f"{name}.weight"] = (weight + delta).cpu().clone()
+            bias = getattr(module.get_base_layer(), "bias", None)
+            if bias is not None:
+                out[f"{name}.bias"] = bias.detach().cpu().clone()
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        out.setdefault(plain, value.detach().cpu().clone())
+    return out

@@ -26,6 +26,8 @@ are allowed, so a thinking-off answer is always valid.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,7 @@ __all__ = [
     "AnswerConstraint",
     "ConstraintError",
     "answer_spellings",
+    "grammar_from_spec",
 ]
 
 #: The text that opens the answer span (the forced prefix when thinking is off).
@@ -98,8 +101,6 @@ class ActionGrammar:
                 "agent.action_decoding=constrained needs an environment with a list of actions; this one has "
                 "none (free-text answers such as Countdown's expressions): set agent.action_decoding=free"
             )
-        self.max_actions = int(max_actions)
-        self.eos_id = int(eos_id)
         unk = getattr(tokenizer, "unk_token_id", None)
         texts = answer_spellings(actions, sep)
         encoded: dict[str, list[list[int]]] = {}
@@ -116,6 +117,11 @@ class ActionGrammar:
                 if ids not in seqs:
                     seqs.append(ids)
             encoded[kind] = seqs
+        self._build(encoded, max_actions, eos_id)
+
+    def _build(self, encoded: dict[str, list[list[int]]], max_actions: int, eos_id: int) -> None:
+        self.max_actions = int(max_actions)
+        self.eos_id = int(eos_id)
         self.spellings = encoded
         self._action = _trie({"action": encoded["action"]})
         self._sep_close = _trie({"sep": encoded["sep"], "close": encoded["close"]})
@@ -132,6 +138,31 @@ class ActionGrammar:
         with the tokenizer's end-of-turn token: what the runner, the probe and preflight all build."""
         eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else 0
         return cls(tokenizer, actions, protocol.action_sep, protocol.max_actions_per_turn, eos)
+
+    def spec(self) -> str:
+        """The grammar as JSON (token ids only, no tokenizer): what a process without the tokenizer
+        needs to rebuild it (:func:`grammar_from_spec`), e.g. vLLM's engine in its own interpreter."""
+        return json.dumps(
+            {"spellings": self.spellings, "max_actions": self.max_actions, "eos_id": self.eos_id},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_spec(cls, spec: str) -> ActionGrammar:
+        """The grammar :meth:`spec` describes (the same tries, so the same automaton)."""
+        data = json.loads(spec)
+        grammar = cls.__new__(cls)
+        spellings = {
+            kind: [[int(t) for t in seq] for seq in seqs] for kind, seqs in data["spellings"].items()
+        }
+        grammar._build(spellings, data["max_actions"], data["eos_id"])
+        return grammar
+
+    def vocabulary(self) -> tuple[int, ...]:
+        """Every token id the grammar can allow (its spellings' ids and eos), sorted."""
+        ids = {t for seqs in self.spellings.values() for seq in seqs for t in seq}
+        return tuple(sorted(ids | {self.eos_id}))
 
     # States hold node ids (not nodes) so that they hash and compare cheaply.
     def _id(self, node: _Node) -> int:
@@ -189,6 +220,13 @@ class ActionGrammar:
         return frozenset(out)
 
 
+@functools.lru_cache(maxsize=64)
+def grammar_from_spec(spec: str) -> ActionGrammar:
+    """:meth:`ActionGrammar.from_spec`, one grammar per spec: its automaton caches are shared by every
+    constraint of the same action vocabulary, as the runner shares one grammar per vocabulary."""
+    return ActionGrammar.from_spec(spec)
+
+
 class AnswerConstraint:
     """One sequence's constraint during generation: free until the answer span opens, then the grammar.
 
@@ -205,9 +243,27 @@ class AnswerConstraint:
     ) -> None:
         self.grammar = grammar
         self.tokenizer = tokenizer
+        self.in_answer = bool(in_answer)
+        self.budget = budget
         self.state = grammar.start() if in_answer else None
         self.left = budget
         self._tail: list[int] = []
+        self._steps = 0
+
+    def spec(self) -> dict[str, Any]:
+        """This constraint before its first token, as plain data (the grammar as its JSON spec), for an
+        engine that runs it in another process (:meth:`from_spec`)."""
+        if self._steps:
+            raise RuntimeError("AnswerConstraint.spec() describes a fresh constraint; this one has advanced")
+        return {"grammar": self.grammar.spec(), "in_answer": self.in_answer, "budget": self.budget}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any], tokenizer: Any = None) -> AnswerConstraint:
+        """The constraint :meth:`spec` describes. ``tokenizer`` is needed only with thinking on
+        (``in_answer`` false), to see the model write ``<answer>``."""
+        if not spec["in_answer"] and tokenizer is None:
+            raise ValueError("a constraint that waits for <answer> (thinking on) needs the tokenizer")
+        return cls(grammar_from_spec(spec["grammar"]), tokenizer, spec["in_answer"], spec["budget"])
 
     def allowed(self) -> tuple[int, ...] | None:
         if self.state is None:
@@ -219,6 +275,7 @@ class AnswerConstraint:
         return got or None  # after the eos token: nothing constrains (generation has stopped)
 
     def advance(self, token: int) -> None:
+        self._steps += 1
         if self.left is not None:
             self.left -= 1
         if self.state is not None:

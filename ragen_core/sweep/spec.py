@@ -7,7 +7,7 @@ A sweep file (YAML, ``sweeps/``) names a base run config and what varies::
                                              # else to the sweep file)
     overrides: [trainer.iterations=10]       # applied to every member
     grid:                                    # cartesian product (one member per combination)
-      rollout.filter_ratio: [0.25, 0.5, 1.0]
+      rollout.filter.value: [0.25, 0.5, 1.0]
     members:                                 # and/or named variants (crossed with the grid)
       - {name: ppo, overrides: [learner.algorithm.adv_estimator=gae]}
       - {name: grpo, overrides: [learner.algorithm.adv_estimator=grpo]}

@@ -376,7 +376,7 @@ def test_a_rerun_of_the_learn_stage_scales_the_loss_as_the_run_did(tmp_path: Pat
 
     out = train(
         tmp_path,
-        extra=("trainer.iterations=2", "rollout.filter_ratio=0.5", "rollout.filter.loss_scaling=linear"),
+        extra=("trainer.iterations=2", "rollout.filter.value=0.5", "rollout.filter.loss_scaling=linear"),
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = RunDir(only_run(tmp_path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from ragen_core.algorithms import (
     agg_loss,
     bilevel_gae,
     entropy_from_logits,
+    filter_rollouts,
     gae,
     group_std_stats,
     grpo,
@@ -23,7 +25,6 @@ from ragen_core.algorithms import (
     policy_loss,
     reinforce_pp,
     rloo,
-    select_groups,
     value_loss,
     whiten,
 )
@@ -547,48 +548,53 @@ def test_entropy_from_logits_reference_and_stability():
     assert entropy_from_logits(torch.tensor([[1e4, 0.0, 0.0]])).item() == pytest.approx(0.0, abs=1e-6)
 
 
-# ----------------------------------------------------------------------------- select_groups
+# ----------------------------------------------------------------------------- the StarPO-S filter
 
 
-def test_select_groups_keeps_whole_groups_top_by_std():
+def starpo_s(scores: torch.Tensor, groups: Any, value: float, keep: str = "largest") -> torch.Tensor:
+    """The paper's StarPO-S filter: ``rollout.filter`` at its defaults (top_k on reward_variance)."""
+    return filter_rollouts(scores, groups, "top_k", value, keep=keep).keep
+
+
+def test_the_starpo_s_filter_keeps_whole_groups_top_by_std():
     # 4 groups of 3; std: g0=0, g1=1, g2=2, g3=0.5 (ids non-contiguous, interleaved)
     groups = torch.tensor([10, 11, 12, 13] * 3)
     scores = t64([5, 0, 0, 0, 5, 1, 2, 0.5, 5, 2, 4, 1])
-    keep = select_groups(scores, groups, ratio=0.5)
+    keep = starpo_s(scores, groups, 0.5)
     assert keep.dtype == torch.bool
     assert set(groups[keep].tolist()) == {11, 12}
     for g in groups.unique():
         assert keep[groups == g].all() or not keep[groups == g].any()
-    keep_rev = select_groups(scores, groups, ratio=0.5, mode="std_rev")
+    keep_rev = starpo_s(scores, groups, 0.5, keep="smallest")
     assert set(groups[keep_rev].tolist()) == {10, 13}
-    assert set(groups[select_groups(scores, groups, 0.25)].tolist()) == {12}
-    assert set(groups[select_groups(scores, groups, 0.01)].tolist()) == {12}  # at least one group
+    assert set(groups[starpo_s(scores, groups, 0.25)].tolist()) == {12}
+    assert set(groups[starpo_s(scores, groups, 0.01)].tolist()) == {12}  # at least one group
 
 
-def test_select_groups_ratio_one_ties_rounding_and_errors():
+def test_the_starpo_s_filter_value_one_ties_rounding_and_errors():
     groups = [g for g in range(8) for _ in range(4)]
     scores = torch.zeros(32)
-    assert select_groups(scores, groups, 1.0).all()
+    assert starpo_s(scores, groups, 1.0).all()
     # all stds equal: ties go to the groups that appear first
-    keep = select_groups(scores, groups, 0.25)
+    keep = starpo_s(scores, groups, 0.25)
     assert keep.tolist() == [True] * 8 + [False] * 24
-    assert select_groups(scores, groups, 0.25, mode="std_rev").tolist() == keep.tolist()
+    assert starpo_s(scores, groups, 0.25, keep="smallest").tolist() == keep.tolist()
     # order of first appearance, not id value
-    assert select_groups(torch.zeros(4), ["b", "b", "a", "a"], 0.5).tolist() == [True, True, False, False]
+    assert starpo_s(torch.zeros(4), ["b", "b", "a", "a"], 0.5).tolist() == [True, True, False, False]
     assert (
-        int(select_groups(torch.zeros(20), [g for g in range(10) for _ in range(2)], 0.25).sum()) == 6
+        int(starpo_s(torch.zeros(20), [g for g in range(10) for _ in range(2)], 0.25).sum()) == 6
     )  # 2.5 -> 3
-    # group size 1
-    with pytest.raises(ValueError, match="group_size 1 has no in-group variance"):
-        select_groups(torch.zeros(4), [0, 1, 2, 3], 0.5)
-    assert select_groups(torch.zeros(4), [0, 1, 2, 3], 1.0).all()
-    with pytest.raises(ValueError, match="std, std_rev"):
-        select_groups(scores, groups, 0.5, mode="max_mean")
-    with pytest.raises(ValueError, match=r"\(0, 1\]"):
-        select_groups(scores, groups, 0.0)
+    # group size 1: no in-group spread, unless every group is kept
+    with pytest.raises(ValueError, match="needs two trajectories per group"):
+        starpo_s(torch.zeros(4), [0, 1, 2, 3], 0.5)
+    assert starpo_s(torch.zeros(4), [0, 1, 2, 3], 1.0).all()
+    with pytest.raises(ValueError, match="largest, smallest"):
+        starpo_s(scores, groups, 0.5, keep="max_mean")
+    with pytest.raises(ValueError, match=r"rollout\.filter\.value\) must be in \(0, 1\]"):
+        starpo_s(scores, groups, 0.0)
     with pytest.raises(ValueError, match="non-finite reward"):
-        select_groups(torch.tensor([0.0, float("inf")]), [0, 0], 0.5)
-    assert select_groups(torch.zeros(0), [], 0.5).shape == (0,)
+        starpo_s(torch.tensor([0.0, float("inf")]), [0, 0], 0.5)
+    assert starpo_s(torch.zeros(0), [], 0.5).shape == (0,)
 
 
 def test_kept_group_count_rounds_the_decimal_ratio_half_up_for_every_step() -> None:
@@ -606,10 +612,10 @@ def test_kept_group_count_rounds_the_decimal_ratio_half_up_for_every_step() -> N
 
 
 @pytest.mark.parametrize(("ratio", "n_groups"), [(0.58, 25), (0.25, 10), (0.01, 7), (0.99, 33), (0.3, 5)])
-def test_select_groups_keeps_kept_group_count_groups(ratio: float, n_groups: int) -> None:
+def test_the_starpo_s_filter_keeps_kept_group_count_groups(ratio: float, n_groups: int) -> None:
     groups = [g for g in range(n_groups) for _ in range(2)]
     scores = torch.arange(2 * n_groups, dtype=torch.float64) ** 2  # distinct in-group stds
-    assert int(select_groups(scores, groups, ratio).sum()) == 2 * kept_group_count(ratio, n_groups)
+    assert int(starpo_s(scores, groups, ratio).sum()) == 2 * kept_group_count(ratio, n_groups)
 
 
 def test_group_std_stats():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def test_defaults_are_ragens_base_yaml() -> None:
 
 def test_the_mini_batch_check_counts_kept_groups_as_the_filter_does() -> None:
     # 0.58 x 25 groups keeps 15 groups (the filter's count), so a mini-batch of 15 x 4 fits and 61 does not
-    base = ["train.n_groups=[25]", "train.group_size=4", "rollout.filter_ratio=0.58"]
+    base = ["train.n_groups=[25]", "train.group_size=4", "rollout.filter.value=0.58"]
     assert (
         load_config(overrides=[*base, "learner.optim.mini_batch_size=60"]).learner.optim.mini_batch_size == 60
     )
@@ -58,9 +59,9 @@ def test_overrides_parse_yaml_values() -> None:
         ("rollout.temperature=hot", r"rollout\.temperature: .*valid number"),
         (
             "train.group_size=1",
-            r"train\.group_size=1 has no in-group reward variance.*rollout\.filter_ratio=1",
+            r"train\.group_size=1 has no in-group reward variance.*rollout\.filter\.value=1",
         ),
-        ("rollout.filter_ratio=0.1", r"learner\.optim\.mini_batch_size=32 is larger than the filtered batch"),
+        ("rollout.filter.value=0.1", r"learner\.optim\.mini_batch_size=32 is larger than the filtered batch"),
         ("rollout.engine=vlm", r"rollout\.engine"),
     ],
 )
@@ -72,12 +73,12 @@ def test_bad_configs_name_the_key_and_the_fix(override: str, message: str) -> No
 def test_grpo_needs_groups() -> None:
     with pytest.raises(ConfigError, match=r"adv_estimator=grpo needs train\.group_size>=2"):
         load_config(
-            overrides=["learner.algorithm.adv_estimator=grpo", "train.group_size=1", "rollout.filter_ratio=1"]
+            overrides=["learner.algorithm.adv_estimator=grpo", "train.group_size=1", "rollout.filter.value=1"]
         )
 
 
 #: one trajectory per group (8 groups of 1, all kept), or a single trajectory per tag too
-SINGLES = ["train.group_size=1", "rollout.filter_ratio=1", "learner.optim.mini_batch_size=1"]
+SINGLES = ["train.group_size=1", "rollout.filter.value=1", "learner.optim.mini_batch_size=1"]
 ONE_ROW = [*SINGLES, "train.n_groups=[1]"]
 NORM = "learner.algorithm.reward_normalization"
 
@@ -253,67 +254,38 @@ _SMALL = [
 
 
 @pytest.mark.parametrize(
-    ("legacy", "keep", "value"),
+    ("old", "new"),
     [
-        ([], "largest", 0.25),
-        (["rollout.filter_ratio=0.5"], "largest", 0.5),
-        (["rollout.filter_type=std_rev"], "smallest", 0.25),
+        ("rollout.filter_ratio=0.5", r"rollout\.filter\.value"),
+        ("rollout.filter_type=std_rev", r"rollout\.filter\.keep .*std_rev is smallest"),
+        ("rollout.filter_ratio=null", r"rollout\.filter\.value"),  # set at all, even to null
     ],
 )
-def test_the_old_filter_keys_map_onto_rollout_filter(legacy: list[str], keep: str, value: float) -> None:
-    f = load_config(overrides=[*_SMALL, *legacy]).rollout.filter
-    assert (f.strategy, f.metric, f.keep, f.value, f.include_zero) == (
-        "top_k",
-        "reward_variance",
-        keep,
-        value,
-        True,
-    )
-    assert f.loss_scaling == "none"
+def test_the_old_filter_keys_are_refused_naming_the_new_key(old: str, new: str) -> None:
+    """``rollout.filter_ratio`` / ``filter_type`` were renamed into ``rollout.filter``: a config that
+    writes one gets one error, naming the key to write instead."""
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[*_SMALL, old])
+    lines = str(err.value).splitlines()[1:]
+    key = old.partition("=")[0]
+    assert len(lines) == 1 and re.match(rf"\s*{re.escape(key)}: renamed: write {new}", lines[0]), lines
 
 
-def test_every_shipped_config_keeps_its_filter() -> None:
-    """The configs/ files still spell the filter with the old keys: each maps to the top_k filter
-    at the same ratio, so they select the same groups as before."""
+def test_every_renamed_key_names_its_new_key() -> None:
+    from ragen_core.config import REMOVED_KEYS, RENAMED_KEYS
+
+    for old, (new, _) in RENAMED_KEYS.items():
+        assert f"write {'.'.join(new)}" in REMOVED_KEYS[old], old
+
+
+def test_every_shipped_config_and_sweep_spells_the_filter_one_way() -> None:
+    """configs/ and sweeps/ write the filter as rollout.filter.*: the old keys would be refused."""
+    for path in sorted([*Path("configs").rglob("*.yaml"), *Path("sweeps").rglob("*.yaml")]):
+        text = "\n".join(line.partition("#")[0] for line in path.read_text().splitlines())
+        assert "filter_ratio" not in text and "filter_type" not in text, path
     for path in sorted(Path("configs").rglob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()).get("rollout", {})
         f = load_config(path).rollout.filter
         assert (f.strategy, f.metric, f.include_zero) == ("top_k", "reward_variance", True), path
-        assert f.value == raw.get("filter_ratio", 0.25), path
-        assert f.keep == {"std": "largest", "std_rev": "smallest"}[raw.get("filter_type", "std")], path
-
-
-def test_old_and_new_filter_keys_together() -> None:
-    # consistent: accepted
-    cfg = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.value=0.5"])
-    assert cfg.rollout.filter.value == 0.5
-    both = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.loss_scaling=sqrt"])
-    assert both.rollout.filter.loss_scaling == "sqrt" and both.rollout.filter.value == 0.5
-    # inconsistent: refused, naming both keys and the fix
-    with pytest.raises(
-        ConfigError,
-        match=r"rollout\.filter_ratio=0\.5 .*disagrees with rollout\.filter\.strategy=top_p.*"
-        r"--set rollout\.filter_ratio=null",
-    ):
-        load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5", "rollout.filter.strategy=top_p"])
-    with pytest.raises(
-        ConfigError, match=r"rollout\.filter_type=std .*disagrees with rollout\.filter\.keep=smallest"
-    ):
-        load_config(overrides=[*_SMALL, "rollout.filter_type=std", "rollout.filter.keep=smallest"])
-    with pytest.raises(ConfigError, match=r"rollout\.filter_type='max'.*std or std_rev"):
-        load_config(overrides=[*_SMALL, "rollout.filter_type=max"])
-    # a config file's old key lifted with null: the new section alone decides
-    lifted = load_config(
-        Path("configs/bandit-tiny.yaml"),
-        [
-            "rollout.filter_ratio=null",
-            "rollout.filter.strategy=top_p",
-            "rollout.filter.value=0.9",
-            "learner.optim.mini_batch_size=8",
-            "learner.optim.micro_batch_size=8",
-        ],
-    )
-    assert (lifted.rollout.filter.strategy, lifted.rollout.filter.value) == ("top_p", 0.9)
 
 
 @pytest.mark.parametrize(
@@ -382,7 +354,7 @@ def test_a_stored_config_with_the_old_filter_keys_loads_and_resumes(tmp_path: Pa
     from ragen_core.run.resume import resume_config
     from ragen_core.run.run_dir import RunDir
 
-    cfg = load_config(overrides=[*_SMALL, "rollout.filter_ratio=0.5"])
+    cfg = load_config(overrides=[*_SMALL, "rollout.filter.value=0.5"])
     data = cfg.model_dump(mode="json")
     data["rollout"].pop("filter")
     data["rollout"].update(filter_ratio=0.5, filter_type="std")
@@ -403,7 +375,7 @@ def test_a_stored_config_with_the_old_filter_keys_loads_and_resumes(tmp_path: Pa
 def test_an_adaptive_filter_with_a_mini_batch_larger_than_one_group_fails_before_any_work() -> None:
     """top_p / min_p may keep a single group in some iteration: a larger mini-batch would stop the run
     there (after the warm start), so the config is refused, naming the keys and the fix."""
-    base = ["rollout.filter_ratio=null", "rollout.filter_type=null", "train.group_size=8"]
+    base = ["train.group_size=8"]
     for strategy, value in (("min_p", 0.5), ("top_p", 0.9)):
         with pytest.raises(
             ValueError, match=r"mini_batch_size=32 is larger than one group \(8 trajectories\)"

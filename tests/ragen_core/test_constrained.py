@@ -92,9 +92,68 @@ def test_an_environment_without_actions_or_an_unspellable_action_is_a_clear_erro
 def test_config_refuses_constrained_decoding_where_it_cannot_work():
     with pytest.raises(ConfigError, match=r"Countdown has free-text answers.*agent\.action_decoding=free"):
         load_config(None, ["agent.action_decoding=constrained", "train.tags=[Countdown]"])
-    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm"):
-        load_config(None, ["agent.action_decoding=constrained", "rollout.engine=vllm"])
     assert load_config(None, ["agent.action_decoding=constrained"]).agent.action_decoding == "constrained"
+    # both engines implement it (the vllm one as a logits processor: tests/ragen_core/test_vllm_engine.py)
+    cfg = load_config(None, ["agent.action_decoding=constrained", "rollout.engine=vllm"])
+    assert cfg.agent.action_decoding == "constrained" and cfg.rollout.engine == "vllm"
+
+
+def test_a_grammar_rebuilt_from_its_spec_is_the_same_automaton(policy):
+    """What the vllm engine's process rebuilds from token ids alone allows the same tokens everywhere."""
+    _, tok = policy
+    g = grammar(tok, max_actions=3)
+    rebuilt = ActionGrammar.from_spec(g.spec())
+    assert rebuilt.spec() == g.spec() and rebuilt.vocabulary() == g.vocabulary()
+    assert set(g.vocabulary()) == {t for seqs in g.spellings.values() for s in seqs for t in s} | {g.eos_id}
+    rng = random.Random(2)
+    for _ in range(100):
+        a, b = g.start(), rebuilt.start()
+        while allowed := g.allowed(a):
+            assert rebuilt.allowed(b) == allowed and rebuilt.tokens_to_end(b) == g.tokens_to_end(a)
+            t = rng.choice(allowed)
+            a, b = g.advance(a, t), rebuilt.advance(b, t)
+        assert rebuilt.allowed(b) == ()
+    c = AnswerConstraint(g, tok, in_answer=False, budget=12)
+    again = AnswerConstraint.from_spec(c.spec(), tok)
+    assert (again.in_answer, again.budget, again.grammar.spec()) == (False, 12, g.spec())
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        AnswerConstraint.from_spec(c.spec())
+    c.advance(5)
+    with pytest.raises(RuntimeError, match="has advanced"):
+        c.spec()
+
+
+def test_a_grammar_too_large_for_vllm_is_refused_naming_the_hf_engine(policy, monkeypatch):
+    """vLLM reports the raw log-probs of at most 128 chosen tokens per step, and renormalising needs
+    every allowed token's: a larger grammar is refused at preflight and at generation."""
+    from ragen_core.rollout import vllm_engine
+    from ragen_core.run.preflight import spelling_problems
+
+    class OneIdPerText:
+        unk_token_id = None
+
+        def __init__(self):
+            self.ids: dict[str, int] = {}
+
+        def encode(self, text, add_special_tokens=False):
+            return [self.ids.setdefault(text, 10 + len(self.ids))]
+
+    big = ActionGrammar(OneIdPerText(), [f"a{i}" for i in range(70)], "||", 2, 1)
+    assert len(big.vocabulary()) == 70 * 2 + 2 + 2 + 1
+    with pytest.raises(ConstraintError, match=r"145 distinct tokens.*at most 128.*rollout\.engine=hf"):
+        vllm_engine._constraint_spec(AnswerConstraint(big, None, in_answer=True))
+    _, tok = policy
+    assert vllm_engine._constraint_spec(AnswerConstraint(grammar(tok), tok, in_answer=True))["in_answer"]
+
+    cfg = load_config(
+        None, ["agent.action_decoding=constrained", "train.tags=[FrozenLake]", "val.tags=[FrozenLake]"]
+    )
+    vllm_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})
+    assert spelling_problems(cfg, tok) == [] and spelling_problems(vllm_cfg, tok) == []
+    monkeypatch.setattr(vllm_engine, "VLLM_MAX_GRAMMAR_TOKENS", 3)  # FrozenLake's grammar is larger
+    assert spelling_problems(cfg, tok) == []  # the hf engine has no such limit
+    (problem,) = spelling_problems(vllm_cfg, tok)
+    assert problem.startswith("FrozenLake: agent.action_decoding=constrained with rollout.engine=vllm")
 
 
 def test_restrict_to_allowed_is_the_softmax_over_the_allowed_ids():

@@ -113,7 +113,7 @@ def config(tmp_path: Path, *overrides: str) -> RagenConfig:
         overrides=[
             f"trainer.run_root={tmp_path / 'runs'}",
             f"trainer.iterations={ITERATIONS}",
-            "rollout.filter_ratio=0.5",
+            "rollout.filter.value=0.5",
             "tracking.background=false",
             *overrides,
         ]

@@ -58,8 +58,8 @@ def _run(tmp_path: Path, overrides: list[str], local_state: Path) -> tuple[RunDi
 @pytest.mark.parametrize(
     ("overrides", "kept_rows"),
     [
-        (["rollout.filter_ratio=0.5"], [2, 3, 6, 7]),  # std: groups 1, 3
-        (["rollout.filter_ratio=0.5", "rollout.filter_type=std_rev"], [0, 1, 4, 5]),  # std 0 ties: 0, 2
+        (["rollout.filter.value=0.5"], [2, 3, 6, 7]),  # std: groups 1, 3
+        (["rollout.filter.value=0.5", "rollout.filter.keep=smallest"], [0, 1, 4, 5]),  # std 0 ties: 0, 2
         (
             ["rollout.filter.strategy=top_k_abs", "rollout.filter.value=1", "rollout.filter.metric=reward"],
             [6, 7],
@@ -103,7 +103,7 @@ def test_the_filter_stage_keeps_what_the_config_asks(
 
 
 def test_filter_metrics_by_hand(tmp_path: Path, local_state: Path) -> None:
-    run, cfg = _run(tmp_path, ["rollout.filter_ratio=0.5"], local_state)
+    run, cfg = _run(tmp_path, ["rollout.filter.value=0.5"], local_state)
     _, m = filter_stage(cfg, run, 1)  # type: ignore[arg-type]
     std = [0.0, 2**0.5, 0.0, 0.5**0.5]
     assert m["rollout/filter_zero_count"] == 2
@@ -164,7 +164,7 @@ def test_the_learn_stage_scales_the_advantages_by_the_kept_fraction_of_groups(
     or 1."""
     run, cfg = _run(
         tmp_path,
-        ["rollout.filter_ratio=0.5", f"rollout.filter.loss_scaling={mode}", "monitor.collapse_every=0"],
+        ["rollout.filter.value=0.5", f"rollout.filter.loss_scaling={mode}", "monitor.collapse_every=0"],
         local_state,
     )
     kept, _ = filter_stage(cfg, run, 1)  # type: ignore[arg-type]

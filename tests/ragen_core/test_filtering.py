@@ -11,11 +11,11 @@ from ragen_core.algorithms import (
     filter_loss_scale,
     filter_rollouts,
     group_filter_metric,
+    kept_group_count,
     min_p_groups,
     response_lengths,
     sampled_token_entropy,
     select_by_value,
-    select_groups,
     top_k_groups,
     top_p_groups,
 )
@@ -158,14 +158,17 @@ def test_filter_rollouts_whole_groups_and_the_std_filter() -> None:
     assert reward.keep.tolist() == [True, False, False, True, False, False]
     empty = filter_rollouts(torch.zeros(0), [], "top_p", 0.5)
     assert empty.keep.shape == (0,) and empty.kept_groups.shape == (0,)
-    # the old std / std_rev filter is the top_k / reward_variance one, for any ratio
+    # top_k on reward_variance keeps the kept_group_count groups of largest (smallest) unbiased std,
+    # ties by first appearance, for any value
     gen = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 3, (40,), generator=gen).double()
     groups = [g for g in range(10) for _ in range(4)]
-    for ratio in (0.1, 0.25, 0.5, 0.55, 1.0):
-        for mode, keep in (("std", "largest"), ("std_rev", "smallest")):
-            new = filter_rollouts(scores, groups, "top_k", ratio, keep=keep).keep
-            assert new.tolist() == select_groups(scores, groups, ratio, mode).tolist(), (ratio, mode)
+    std = scores.reshape(10, 4).std(dim=1).tolist()
+    for value in (0.1, 0.25, 0.5, 0.55, 1.0):
+        for keep, sign in (("largest", -1.0), ("smallest", 1.0)):
+            best = sorted(range(10), key=lambda g: (sign * std[g], g))[: kept_group_count(value, 10)]
+            new = filter_rollouts(scores, groups, "top_k", value, keep=keep).keep
+            assert new.tolist() == [g in best for g in groups], (value, keep)
 
 
 def test_filter_loss_scale() -> None:

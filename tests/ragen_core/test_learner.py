@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from ragen_core.algorithms import entropy_from_logits, select_groups
+from ragen_core.algorithms import entropy_from_logits, filter_rollouts
 from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.learner.batch import BadBatchError, TokenBatch
 from ragen_core.learner.update import Learner
@@ -331,7 +331,7 @@ def _train_toy(
     learner: Learner,
     n_groups: int,
     group_size: int,
-    filter_ratio: float | None,
+    filter_value: float | None,
     max_steps: int = 60,
 ) -> tuple[int, float, float]:
     gen = torch.Generator().manual_seed(123)
@@ -340,8 +340,8 @@ def _train_toy(
         batch, p_good = toy_rollout(learner.policy, n_groups, group_size, gen)
         if p_good >= 0.9:
             return step, p0, p_good
-        if filter_ratio is not None:
-            batch = subset(batch, select_groups(batch.scores, batch.group_ids, filter_ratio))
+        if filter_value is not None:
+            batch = subset(batch, filter_rollouts(batch.scores, batch.group_ids, "top_k", filter_value).keep)
         learner.step(batch)
     return max_steps + 1, p0, p_good
 
@@ -350,12 +350,12 @@ TOY_STEPS: dict[str, int] = {}
 
 
 @pytest.mark.parametrize(
-    ("name", "estimator", "filter_ratio"),
+    ("name", "estimator", "filter_value"),
     [("ppo", "gae", None), ("grpo", "grpo", None), ("starpo-s", "gae", 0.5)],
 )
-def test_toy_task_is_learnt(name, estimator, filter_ratio):
+def test_toy_task_is_learnt(name, estimator, filter_value):
     cfg = make_cfg(adv_estimator=estimator, optim={"mini_batch_size": 16, "micro_batch_size": 16})
-    steps, p0, p_final = _train_toy(name, Learner(tiny_policy(seed=1), cfg), 8, 4, filter_ratio)
+    steps, p0, p_final = _train_toy(name, Learner(tiny_policy(seed=1), cfg), 8, 4, filter_value)
     TOY_STEPS[name] = steps
     print(f"TOY {name}: p(good) {p0:.3f} -> {p_final:.3f} in {steps} steps")
     assert 0.3 < p0 < 0.7

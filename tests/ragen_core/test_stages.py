@@ -32,7 +32,7 @@ TINY = [
     "val.tags=[Bandit]",
     "val.n_groups=[4]",
     "rollout.max_new_tokens=8",
-    "rollout.filter_ratio=1",
+    "rollout.filter.value=1",
     "learner.optim.mini_batch_size=4",
     "trainer.iterations=1",
     "trainer.backend=local",
@@ -212,7 +212,7 @@ def test_bf16_rollouts_beside_a_float32_learner_log_their_logprob_gap(tmp_path: 
     from ragen_core.run.stages import filter_stage, learn_stage, rollout_stage
 
     cfg = load_config(
-        overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter_ratio=1", f"trainer.run_root={tmp_path}"]
+        overrides=[*TINY, "rollout.dtype=bfloat16", "rollout.filter.value=1", f"trainer.run_root={tmp_path}"]
     )
     run = create_run(cfg, "bf16")
     init_policy_stage(cfg, run)

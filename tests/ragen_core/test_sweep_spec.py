@@ -30,7 +30,7 @@ def test_expand_is_members_x_grid_x_seeds_with_stable_keys() -> None:
             {"name": "ppo", "overrides": ["learner.algorithm.adv_estimator=gae"]},
             {"name": "grpo", "overrides": ["learner.algorithm.adv_estimator=grpo"]},
         ],
-        grid={"rollout.filter_ratio": [0.25, 0.5], "agent.enable_think": [True, False]},
+        grid={"rollout.filter.value": [0.25, 0.5], "agent.enable_think": [True, False]},
         seeds=[0, 1, 2],
         seed_keys=["trainer.seed", "learner.seed"],
     )
@@ -39,19 +39,19 @@ def test_expand_is_members_x_grid_x_seeds_with_stable_keys() -> None:
     assert len({m.key for m in members}) == len(members)
     assert [m.key for m in members] == [m.key for m in expand(sweep)]  # stable
     first = members[0]
-    assert first.key == "ppo,filter_ratio=0.25,enable_think=true-s0"
-    assert first.group == "ppo,filter_ratio=0.25,enable_think=true"
+    assert first.key == "ppo,value=0.25,enable_think=true-s0"
+    assert first.group == "ppo,value=0.25,enable_think=true"
     # order: sweep overrides, member, grid, seed keys (later ones win)
     assert first.overrides == (
         "trainer.iterations=2",
         "learner.algorithm.adv_estimator=gae",
-        "rollout.filter_ratio=0.25",
+        "rollout.filter.value=0.25",
         "agent.enable_think=true",
         "trainer.seed=0",
         "learner.seed=0",
     )
     assert [m.seed for m in members[:3]] == [0, 1, 2] and len({m.group for m in members[:3]}) == 1
-    assert members[-1].key == "grpo,filter_ratio=0.5,enable_think=false-s2"
+    assert members[-1].key == "grpo,value=0.5,enable_think=false-s2"
     assert [m.index for m in members] == list(range(len(members)))
     # grid only, members only, neither
     assert [m.key for m in expand(SweepConfig(name="g", base="x", grid={"a.b": [1, 2]}))] == [

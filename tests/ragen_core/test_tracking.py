@@ -210,11 +210,11 @@ def test_log_artifacts_off_uploads_nothing(state_dir: Path, tmp_path: Path):
 
 def test_nested_sweep_runs(state_dir: Path):
     parent = make(state_dir, experiment="sweep")
-    pid = parent.start("sweep-parent", {"sweep": "filter_ratio"})
+    pid = parent.start("sweep-parent", {"sweep": "filter.value"})
     kids = []
     for r in (0.25, 0.5):
         t = make(state_dir, experiment="sweep")
-        kids.append(t.start(f"member-{r}", {"rollout": {"filter_ratio": r}}, parent_run_id=pid))
+        kids.append(t.start(f"member-{r}", {"rollout": {"filter": {"value": r}}}, parent_run_id=pid))
         t.log_iteration(0, {"val-env/Bandit/success": r})
         t.end()
     parent.end()

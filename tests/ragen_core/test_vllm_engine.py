@@ -54,7 +54,8 @@ def policy(tmp_path_factory):
 def engine(policy):
     _require_vllm()
     path, _, tok = policy
-    eng = engine_from_policy(path, tok, max_model_len=256)
+    # 512: room for a FrozenLake prompt (about 280 tokens with this tokenizer) and its answers
+    eng = engine_from_policy(path, tok, max_model_len=512)
     yield eng
     eng.close()
 
@@ -158,12 +159,12 @@ def test_weight_sync_without_restart(engine, policy, prompts):
 
 
 def test_prompt_limits(engine, prompts):
-    with pytest.raises(PromptTooLongError, match="context is 256 tokens"):
+    with pytest.raises(PromptTooLongError, match="context is 512 tokens"):
         engine.generate([list(prompts[0]) * 40], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[10**6]], SamplingParams(max_new_tokens=4))
     # a prompt near the limit gets only the room that is left
-    near = (list(prompts[0]) * 40)[:250]
+    near = (list(prompts[0]) * 40)[:506]
     g = engine.generate(
         [near], SamplingParams(temperature=1.0, max_new_tokens=50, seed=0, stop_token_ids=[])
     )[0]
@@ -214,3 +215,118 @@ def test_two_iteration_training_with_vllm(tmp_path):
         assert m["rollout/old_vs_rollout_logprob_diff"] < 1e-3, (k, m["rollout/old_vs_rollout_logprob_diff"])
     assert (run / "iter_0002" / "DONE").exists()
     assert "vllm" in (run / "config.yaml").read_text()
+
+
+ACTIONS = ["Left", "Down", "Right", "Up"]
+
+
+def test_constrained_rollouts_on_vllm_are_valid_and_the_learner_reproduces_their_logprobs(engine, policy):
+    """Constrained decoding on vLLM (the answer grammar as a vLLM logits processor): every answer of a
+    FrozenLake rollout is valid, and the learner's log-probs under the recorded masks equal vLLM's
+    renormalised ones (<= 1e-4), while the full-vocabulary ones would not."""
+    from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
+    from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+    from ragen_core.learner.batch import to_token_batch
+    from ragen_core.learner.update import Learner
+    from ragen_core.protocol import ProtocolConfig
+    from ragen_core.rollout.runner import run_rollouts
+    from ragen_core.trajectory import to_table
+
+    _, model, tok = policy
+    protocol = ProtocolConfig(
+        enable_think=False, max_turn=2, max_actions_per_turn=3, action_decoding="constrained"
+    )
+    groups = EnvGroups(
+        EnvGroupsConfig(
+            tags=["FrozenLake"],
+            n_groups=[4],
+            group_size=4,
+            env_overrides={"FrozenLake": {"is_slippery": False}},
+        ),
+        protocol,
+    )
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+    trajs = run_rollouts(groups, engine, tok, params, seed=3, iteration=1, run_id="t")
+    assert all(not any(t.info["turn_penalties"]) for t in trajs)  # every answer parsed to valid actions
+    assert all(t.info["turn_decoding"] == ["constrained"] * t.turn_count for t in trajs)
+    for t in trajs:  # thinking off: every sampled token is in the answer span, so every one is masked
+        positions = [p for p, _ in t.info["allowed_token_ids"]]
+        assert positions and all(t.loss_mask[p] for p in positions) and sum(t.loss_mask) == len(positions)
+
+    batch = to_token_batch(to_table(trajs))
+    learner = Learner(
+        model,
+        LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo"), optim=OptimConfig(mini_batch_size=16)),
+    )
+    mask = batch.loss_mask.bool()
+    with torch.no_grad():
+        masked, _ = learner._logprobs(model, batch.input_ids, mask, allowed=batch.allowed_token_ids)
+        free, _ = learner._logprobs(model, batch.input_ids, mask)
+    behaviour = batch.rollout_logprobs
+    assert (masked - behaviour)[mask].abs().max().item() <= 1e-4
+    assert (free - behaviour)[mask].abs().max().item() > 0.1  # the full-vocabulary policy is another one
+
+
+def test_constrained_masks_on_vllm_are_the_hf_engines(engine, policy, prompts):
+    """The allowed sets vLLM reports are those the grammar gives in this process for the same tokens,
+    with thinking on too (the constraint starts where the model writes <answer>) and beside
+    unconstrained prompts in the same batch; the log-probs are the learner's under those masks, and
+    greedy decoding is the argmax inside the allowed ids."""
+    from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
+    from ragen_core.rollout.sampling import restrict_logits
+
+    _, model, tok = policy
+    g = ActionGrammar(tok, ACTIONS, "||", 3, tok.convert_tokens_to_ids("<|im_end|>"))
+    budget = 40
+    opened = [list(p) + tok.encode("<answer>", add_special_tokens=False) for p in prompts]
+    # This untrained model writes <answer> in about 1 of 30 sampled 40-token thoughts: 192 of them
+    thinking = [list(p) + tok.encode("<think>", add_special_tokens=False) for p in prompts] * 48
+
+    def check(batch, constraints, params):
+        gens = engine.generate(batch, params, constraints=constraints)
+        for p, gen, c in zip(batch, gens, constraints, strict=True):
+            assert len(gen.allowed) == len(gen.token_ids)
+            replay = []  # a fresh constraint of the same spec, walked over the same tokens here
+            fresh = None if c is None else AnswerConstraint(g, tok, c.in_answer, c.budget)
+            for t in gen.token_ids:
+                replay.append(None if fresh is None else fresh.allowed())
+                if fresh is not None:
+                    fresh.advance(t)
+            assert gen.allowed == replay
+            ids = torch.tensor([list(p) + gen.token_ids])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
+            logits = restrict_logits(logits, gen.allowed)
+            tokens = torch.tensor(gen.token_ids)
+            learner = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+            assert (learner - torch.tensor(gen.logprobs)).abs().max().item() <= 1e-4
+            if params.greedy:
+                assert torch.equal(logits.argmax(-1), tokens)
+        return gens
+
+    def answering(n):
+        return [AnswerConstraint(g, tok, in_answer=True, budget=budget) for _ in range(n)]
+
+    unconstrained = [None] * len(prompts)
+    sampled = check(
+        opened + thinking + list(prompts),
+        [
+            *answering(len(opened)),
+            *(AnswerConstraint(g, tok, False, budget) for _ in thinking),
+            *unconstrained,
+        ],
+        SamplingParams(temperature=1.0, max_new_tokens=budget, seed=11),
+    )
+    greedy = check(
+        opened + list(prompts),
+        [*answering(len(opened)), *unconstrained],
+        SamplingParams(temperature=0.0, max_new_tokens=budget),
+    )
+    for gen in sampled[: len(opened)] + greedy[: len(opened)]:  # open from the first token: always closed
+        assert gen.finish_reason == "stop" and all(a is not None for a in gen.allowed)
+    wrote = [gen for gen in sampled[len(opened) : -len(prompts)] if any(a is not None for a in gen.allowed)]
+    assert wrote, "no thought wrote <answer>: the thinking path was not exercised"
+    for gen in wrote:  # free until <answer>, then constrained to the end
+        first = next(i for i, a in enumerate(gen.allowed) if a is not None)
+        assert tok.decode(gen.token_ids[:first]).endswith("<answer>")
+        assert all(a is not None for a in gen.allowed[first:])

@@ -1,0 +1,169 @@
+"""The learner's forward passes: log-probs (and entropies) of the trained tokens, critic values, and
+running a no-grad pass over a data-parallel rank's share of the rows.
+
+Token alignment (docs/architecture.md, "Trajectory schema"): ``loss_mask[b, t] = 1`` says token t
+was sampled by the policy. Its log-prob and its value come from the model's output at position t - 1
+(the state before the token was chosen); every per-token tensor here is indexed by the *target*
+position t, and position 0 (nothing before it) is never trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragen_core.algorithms import restrict_to_allowed
+from ragen_core.learner.critic import ValueModel, backbone
+from ragen_core.learner.parallel import split
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = [
+    "StepTensors",
+    "infer_rows",
+    "prompt_response_rows",
+    "to_targets",
+    "token_logprobs",
+    "token_values",
+]
+
+
+@dataclass
+class StepTensors:
+    """The per-token tensors of one step (trimmed to the batch's longest row, on the learner's
+    device), shared by its updates and its metrics."""
+
+    input_ids: torch.Tensor  # (B, L) int64
+    mask: torch.Tensor  # (B, L) bool: trained target tokens
+    lengths: torch.Tensor  # (B,) tokens per row (attention mask sum)
+    old_logp: torch.Tensor  # (B, L) log-probs before the update (filled by it with old_logp_from_update)
+    ref_logp: torch.Tensor | None  # (B, L) reference policy's log-probs, only with a KL term
+    values: torch.Tensor | None  # (B, L) critic values before the update, only with a critic
+    returns: torch.Tensor  # (B, L) critic targets
+    advantages: torch.Tensor  # (B, L)
+    old_logp_from_update: bool  # the single update's own forward pass fills old_logp
+    allowed: torch.Tensor | None = None  # (B, L, K) constrained tokens' allowed ids, -1-padded
+
+
+#: Decoder families whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
+#: scaling): the learner applies the head only to trained positions.
+_HEAD_ONLY_ON_MASK = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _scatter_targets(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Values of the trained targets (in ``mask[:, 1:]`` order) -> (b, l) by target position, 0 elsewhere."""
+    out = values.new_zeros(mask.shape)
+    out[:, 1:][mask[:, 1:]] = values
+    return out
+
+
+def to_targets(per_position: torch.Tensor) -> torch.Tensor:
+    """Shift outputs at positions 0..L-2 to target positions 1..L-1; target 0 gets 0."""
+    x = per_position[:, :-1]
+    return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    autocast: AbstractContextManager[object],
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
+
+    ``allowed`` (b, l, K): for tokens sampled under constrained decoding, the ids they were sampled
+    among (-1-padded; all -1 elsewhere). Their distribution is the softmax over those ids alone,
+    ``log pi_c(y) = z_y - logsumexp_{a in A} z_a``, and so is their entropy: the policy that played.
+
+    Zero outside ``mask``. For the decoder families of ``_HEAD_ONLY_ON_MASK`` the LM head and
+    the softmax run only on the trained positions (environment and prompt tokens need no
+    vocabulary distribution); other models compute full logits. The entropy comes from the same
+    log-softmax, H = -sum_v p_v log p_v (equal to ``algorithms.entropy_from_logits``, sharing the
+    log-softmax's backward). The forward pass runs inside ``autocast``.
+    """
+    targets = mask[:, 1:]
+    with autocast:
+        if _model_type(model) in _HEAD_ONLY_ON_MASK:
+            hidden = backbone(model)(input_ids=input_ids, use_cache=False).last_hidden_state
+            logits = cast("PreTrainedModel", model).get_output_embeddings()(hidden[:, :-1][targets])
+        else:
+            logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][targets]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if allowed is not None:
+        logits = restrict_to_allowed(logits, allowed[:, 1:][targets])
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:][targets][:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            src = logp_all if entropy_grad else logp_all.detach()
+            finite = src.clamp_min(torch.finfo(src.dtype).min)  # p = 0 where log p = -inf: 0, not NaN
+            entropy = _scatter_targets(-(src.exp() * finite).sum(dim=-1), mask)
+    return _scatter_targets(logp, mask), entropy
+
+
+def token_values(
+    critic: ValueModel, input_ids: torch.Tensor, autocast: AbstractContextManager[object]
+) -> torch.Tensor:
+    """The critic's value of each target position (from the output before it), (b, l), float32 at least."""
+    with autocast:
+        values = critic(input_ids)
+    return to_targets(values.float() if values.dtype in (torch.bfloat16, torch.float16) else values)
+
+
+@torch.no_grad()
+def infer_rows(
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    dtype: torch.dtype,
+    micro_batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run ``fn(ids, mask, allowed) -> (b, l)`` over rank ``rank``'s contiguous share of the rows in
+    micro-batches (each trimmed to its longest row; ``allowed``: the rows' slice of it, or None),
+    then all-reduce, so every rank holds the whole (B, L) result."""
+    batch, length = input_ids.shape
+    out = torch.zeros(batch, length, dtype=dtype, device=input_ids.device)
+    lo, hi = split(batch, world_size)[rank]
+    for start in range(lo, hi, micro_batch_size):
+        end = min(start + micro_batch_size, hi)
+        width = int(lengths[start:end].max())
+        part = None if allowed is None else allowed[start:end, :width]
+        out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width], part).to(dtype)
+    if world_size > 1:
+        dist.all_reduce(out)
+    return out
+
+
+def prompt_response_rows(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, mask, lengths)`` of every response after every prompt, row ``i * P + j`` for
+    response i after prompt j, right-padded with 0; ``mask`` marks the response's tokens (on the CPU)."""
+    seqs = [(list(x) + list(z), len(x)) for z in responses for x in prompts]
+    lengths = torch.tensor([len(s) for s, _ in seqs], dtype=torch.int64)
+    width = int(lengths.max())
+    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for r, (s, start) in enumerate(seqs):
+        input_ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[r, start : len(s)] = True
+    return input_ids, mask, lengths
