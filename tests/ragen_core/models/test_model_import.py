@@ -466,7 +466,7 @@ def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy
     are the learner's float32 recomputation within 1e-3."""
     from ragen_core.rollout import SamplingParams
     from ragen_core.rollout.vllm_engine import engine_from_policy
-    from tests.ragen_core.test_vllm_engine import _require_vllm, max_gap
+    from tests.ragen_core.rollout.test_vllm_engine import _require_vllm, max_gap
 
     _require_vllm()
     model, tok = policy
