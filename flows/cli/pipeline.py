@@ -73,19 +73,21 @@ def train(
 def _check_train(config: Path | None, overrides: list[str], resume: str | None, name: str | None) -> None:
     """Input errors fail here, before Prefect, Ray or a model starts (the command wrapper prints them)."""
     from ragen_core.config import DEFAULT_CONFIG, load_config
-    from ragen_core.run.preflight import preflight
-    from ragen_core.run.resume import resume_config
     from ragen_core.run.run_dir import find_run, run_name
-    from ragen_core.run.run_lock import RunLock
-    from ragen_core.run.stages import check_resumable
 
     if resume is None:
-        cfg = load_config(config or DEFAULT_CONFIG, overrides)
+        cfg = load_config(config or DEFAULT_CONFIG, overrides)  # a config error before torch loads
+        from ragen_core.run.preflight import preflight
+
         preflight(cfg)
         run_name(cfg, name, config or DEFAULT_CONFIG)
         return
     if name is not None:
         fail("--name names a new run; a resumed run keeps its name (drop --name)")
+    from ragen_core.run.resume import resume_config
+    from ragen_core.run.run_lock import RunLock
+    from ragen_core.run.stages import check_resumable
+
     run = find_run(resume)
     RunLock(run.root).acquire().release()  # in use by another process: say so now
     resume_config(run.root, run.config(), check_resumable(run), config, overrides)
