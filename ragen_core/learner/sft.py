@@ -228,7 +228,9 @@ def _epoch_batches(demos: Sequence[Demo], batch_size: int, rng: random.Random) -
     return batches
 
 
-def sft_loss(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+def sft_loss(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """Token-mean cross-entropy of the tokens where ``loss_mask`` is 1, each predicted from its prefix.
 
     Only the hidden states that predict a trained token go through the LM head (the vocabulary

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -30,6 +30,19 @@ from ragen_core.trajectory import Trajectory
 _SPLIT_CODES = {"train": 0, "val": 1}
 #: A progress line at most every PROGRESS_EVERY_S seconds, so short rollouts (the tiny models') print none.
 PROGRESS_EVERY_S = 10.0
+
+
+class _ConstrainedEngine(Protocol):
+    """An engine that takes ``constraints`` (the abstract ``RolloutEngine.generate`` leaves the keyword
+    to the engines that support constrained decoding)."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
+    ) -> list[Generation]: ...
 
 
 class _Progress:
@@ -117,9 +130,10 @@ class Segments:
         return ids
 
     def render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(
+        text: str = self.tok.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=generation_prompt
         )
+        return text
 
     def head(self, messages: Sequence[Message]) -> str:
         """System + first user message + generation prompt + forced prefix."""
@@ -251,7 +265,7 @@ def run_rollouts(
                 prompts.append(seg.assemble(messages, turns, start)[0])
             seeds = [turn_seed(seed, seed_round, split, env_id, turn) for env_id in active]
             if constrained:
-                gens: list[Generation] = engine.generate(
+                gens = cast(_ConstrainedEngine, engine).generate(
                     prompts, params, seeds, constraints=[constraint(env_id) for env_id in active]
                 )
             else:

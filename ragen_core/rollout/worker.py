@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
 import torch
 
-from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.env_groups import EnvGroups, EnvGroupsConfig, Mode
 from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class RolloutWorker:
@@ -47,6 +50,7 @@ class RolloutWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.policy_path, self.dtype = policy_path, dtype
+        self.model: PreTrainedModel | None
         if engine == "hf":
             self.model, self.tokenizer = load_policy(policy_path, dtype=dtype)
             self.engine: RolloutEngine = HFEngine(
@@ -93,7 +97,7 @@ class RolloutWorker:
 
         self.engine.update_weights(load_weight_files(path))
 
-    def set_groups(self, split: str, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
+    def set_groups(self, split: Mode, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
         """Play ``split`` with other env groups from now on (``ragen evaluate`` plays tags whose turn
         budgets differ one after another, on one loaded model)."""
         self.groups[split] = EnvGroups(

@@ -62,7 +62,9 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
         from ragen_core.models.policies import load_tokenizer
 
         try:
-            tokenizer = load_tokenizer(cfg.model.source())
+            source = cfg.model.source()
+            assert source is not None  # a saved or imported model: the tiny one returned above
+            tokenizer = load_tokenizer(source)
         except (ModelNotFoundError, OSError, ValueError):
             return []  # reported by the model check
     from ragen_core.config import played_actions

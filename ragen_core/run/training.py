@@ -47,7 +47,7 @@ from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
 from ragen_core.tracking.tracker import RunStatus, Tracker
 
-Log = logging.Logger | logging.LoggerAdapter
+Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
 Iteration = Callable[[int], Mapping[str, float]]
 
