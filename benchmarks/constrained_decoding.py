@@ -39,7 +39,8 @@ from ragen_core.env_groups import EnvGroups
 from ragen_core.models.policies import policy_from_config
 from ragen_core.protocol import forced_prefix, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
-from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.engine import SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import Segments
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "frozenlake-smollm2.yaml"

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import envs
-from envs import frozen_lake
+from envs import frozen_lake_maps
 from envs.sokoban import SokobanState, generate_room
 from envs.sokoban_solver import solve
 
@@ -185,7 +185,7 @@ def bench_frozen_lake(n_steps: int) -> list[Result]:
     # Every run replays seeds 0, 1, ...: without emptying the caches (maps by seed, map data by map)
     # runs 2 and 3 would only look maps up.
     ours_rate = steps_per_second(
-        ours.reset, lambda a: ours.step(names[a]).done, n_steps, prepare=frozen_lake.clear_caches
+        ours.reset, lambda a: ours.step(names[a]).done, n_steps, prepare=frozen_lake_maps.clear_caches
     )
 
     wrapped = gymnasium.make("FrozenLake-v1")

@@ -1,7 +1,7 @@
 """Multi-turn rollout throughput of the runner against plain ``model.generate``, measured in the same run.
 
 - ragen-flow: :func:`ragen_core.rollout.runner.run_rollouts` over SimpleSokoban env groups (128
-  trajectories, up to 5 turns) with :class:`~ragen_core.rollout.engine.HFEngine` on the tiny policy
+  trajectories, up to 5 turns) with :class:`~ragen_core.rollout.hf_engine.HFEngine` on the tiny policy
   (hidden 128, 2 layers); the clock covers the whole call: env resets, prompt assembly and
   tokenisation, generation, decoding, parsing, env steps and building the trajectories.
 - reference: Hugging Face ``model.generate(do_sample=True, temperature=1, top_k=0, top_p=1,
@@ -54,7 +54,8 @@ from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 
 

@@ -13,7 +13,7 @@ is a test-only reference).
   probabilities), so a seed and an action sequence give the trajectory RAGEN/gymnasium give.
 * **Cheap resets** (random play ends an episode every few steps, so resets dominate): both streams
   are read from one block of the seed's raw PCG64 outputs, redoing numpy's ``random``/``integers``
-  arithmetic (:class:`_Stream`; same numbers, tested against the literal calls); maps are cached by
+  arithmetic (:class:`~envs.frozen_lake_maps.Stream`; same numbers, tested against the literal calls); maps are cached by
   seed and everything derived from a map (render text, the transition table for the oracle) by map,
   built on first use and shared by the envs on that map (RAGEN's groups reset with one seed).
   Slippery moves go in the intended direction or either perpendicular one, 1/3 each; bumping into
@@ -31,17 +31,28 @@ for the returned policy, so it is directly comparable with a measured success ra
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from functools import lru_cache
 from typing import Any, ClassVar
 
-import numpy as np
-
 from envs.base import Env, StepResult, cell_label, invalid_step
+from envs.frozen_lake_maps import (
+    DOWN,
+    LEFT,
+    RIGHT,
+    SLIP_FIRST,
+    SLIP_SECOND,
+    UNIT,
+    UP,
+    MapData,
+    Stream,
+    Transition,
+    build_transitions,
+    check_map_args,
+    map_data,
+    seeded_map,
+)
 
 ACTIONS: list[str] = ["Left", "Down", "Right", "Up"]
-LEFT, DOWN, RIGHT, UP = range(4)
 _ACTION_INDEX = {name: i for i, name in enumerate(ACTIONS)}
 GRID_VOCAB: dict[str, str] = {
     "P": "player",
@@ -51,350 +62,6 @@ GRID_VOCAB: dict[str, str] = {
     "X": "player in hole",
     "√": "player on goal",
 }
-_CELL_SYMBOL = {"S": "_", "F": "_", "H": "O", "G": "G"}
-_PLAYER_SYMBOL = {"S": "P", "F": "P", "H": "X", "G": "√"}
-#: gymnasium's ``success_rate`` default and its ``fail_rate`` as gymnasium computes it (bit-exact).
-_SUCCESS_RATE = 1.0 / 3.0
-_FAIL_RATE = (1.0 - _SUCCESS_RATE) / 2.0
-#: Maps (by seed) and derived map data (by map) kept for reuse, e.g. by the envs of one group.
-_CACHE_SIZE = 4096
-
-Transition = tuple[float, int, float, bool]
-"""``(probability, next_state, reward, terminated)``, as in gymnasium's ``env.unwrapped.P``."""
-
-
-#: Cell letters to bits of a row-major mask (read reversed): not a hole, a goal.
-_FREE_BIT = str.maketrans("SFGH", "1110")
-_GOAL_BIT = str.maketrans("SFGH", "0010")
-
-
-# Map generation ------------------------------------------------------------------------------------
-@lru_cache(maxsize=64)
-def _column_masks(nrow: int, ncol: int) -> tuple[int, int]:
-    """Bitmasks (bit ``r * ncol + c``) of the cells not in the first and not in the last column."""
-    not_first = not_last = 0
-    for r in range(nrow):
-        for c in range(ncol):
-            if c:
-                not_first |= 1 << (r * ncol + c)
-            if c != ncol - 1:
-                not_last |= 1 << (r * ncol + c)
-    return not_first, not_last
-
-
-def _connected(free: int, start: int, goals: int, nrow: int, ncol: int) -> bool:
-    """Whether a 4-connected path inside ``free`` joins bit ``start`` to a bit of ``goals``.
-
-    Flood fill on a row-major bitmask: shifting by 1 moves a column, by ``ncol`` a row; the column
-    masks drop what a column shift wraps into the next row. ``free`` must contain ``start``.
-    """
-    not_first, not_last = _column_masks(nrow, ncol)
-    seen = 1 << start
-    while not seen & goals:
-        grown = (seen | (seen << 1) & not_first | (seen >> 1) & not_last | seen << ncol | seen >> ncol) & free
-        if grown == seen:
-            return False
-        seen = grown
-    return True
-
-
-def has_path(desc: Sequence[str]) -> bool:
-    """Whether a 4-connected path of non-hole cells leads from ``S`` to a ``G``."""
-    nrow, ncol = len(desc), len(desc[0])
-    flat = "".join(desc)
-    if "S" not in flat:
-        raise ValueError("desc has no start cell 'S'")
-    free = int(flat.translate(_FREE_BIT)[::-1], 2)
-    goals = int(flat.translate(_GOAL_BIT)[::-1], 2)
-    return _connected(free, flat.index("S"), goals, nrow, ncol)
-
-
-_UNIT = 1.0 / 9007199254740992.0  # 2**-53: PCG64's double from a 64-bit output, ``(x >> 11) * _UNIT``
-_RAW_BLOCK = 32
-
-
-class _Stream:
-    """The 64-bit outputs of one ``numpy.random.default_rng(seed)``, read the way numpy reads them.
-
-    numpy's ``Generator`` on PCG64 turns one output ``x`` into ``random()`` as ``(x >> 11) * 2**-53``
-    and serves ``integers(0, n)`` (``n < 2**32``) by Lemire's method on 32-bit halves (low half
-    first, the high half kept for the next 32-bit request; doubles do not touch that half). Reading
-    the outputs in blocks (``bit_generator.random_raw``) and redoing that arithmetic in Python gives
-    the same numbers as the generator's calls for a fraction of their per-call cost. Several
-    readers at different positions share the outputs list: the map generator and the slip stream
-    both start at the seed's first output, as two fresh generators would.
-    """
-
-    __slots__ = ("bitgen", "half", "pos", "words")
-
-    def __init__(self, seed: int | None, n: int = _RAW_BLOCK) -> None:
-        self.bitgen = np.random.default_rng(seed).bit_generator
-        self.words: list[int] = self.bitgen.random_raw(n).tolist()
-        self.pos = 0
-        self.half: int | None = None
-
-    def fork(self) -> _Stream:
-        """Another reader of the same outputs, at the first one."""
-        other = _Stream.__new__(_Stream)
-        other.bitgen, other.words, other.pos, other.half = self.bitgen, self.words, 0, None
-        return other
-
-    def word(self, pos: int) -> int:
-        """Output number ``pos`` of the seed's stream (fetched on demand, in order)."""
-        words = self.words
-        while pos >= len(words):
-            words += self.bitgen.random_raw(_RAW_BLOCK).tolist()
-        return words[pos]
-
-    def uniforms(self, n: int) -> list[float]:
-        """``rng.random(n)``, advancing this reader."""
-        pos, self.pos = self.pos, self.pos + n
-        self.word(self.pos - 1)
-        return [(x >> 11) * _UNIT for x in self.words[pos : self.pos]]
-
-    def _uint32(self) -> int:
-        half = self.half
-        if half is not None:
-            self.half = None
-            return half
-        x = self.word(self.pos)
-        self.pos += 1
-        self.half = x >> 32
-        return x & 0xFFFFFFFF
-
-    def integer(self, n: int) -> int:
-        """``rng.integers(0, n)`` for ``1 <= n < 2**32`` (numpy's bounded Lemire on 32 bits)."""
-        m = self._uint32() * n
-        leftover = m & 0xFFFFFFFF
-        if leftover < n:
-            threshold = (0x100000000 - n) % n
-            while leftover < threshold:
-                m = self._uint32() * n
-                leftover = m & 0xFFFFFFFF
-        return m >> 32
-
-
-def _draw_map(size: int, p: float, stream: _Stream) -> tuple[str, ...]:
-    """RAGEN's generator loop on a fresh seed stream (validated ``size`` and ``p``); the map's rows.
-
-    RAGEN's calls, in order, on ``rng = default_rng(seed)``::
-
-        while True:
-            board = rng.choice(["F", "H"], (size, size), p=[p, 1 - p])
-            while True:  # start and goal, redrawn until they differ
-                start_r, start_c = rng.integers(0, size), rng.integers(0, size)
-                goal_r, goal_c = rng.integers(0, size), rng.integers(0, size)
-                if (start_r, start_c) != (goal_r, goal_c):
-                    break
-            ...  # place S and G; keep the board if a path joins them
-
-    ``Generator.choice`` with ``p`` normalises the cumulative probabilities (``cdf = p.cumsum();
-    cdf /= cdf[-1]``), draws ``rng.random(shape)`` and takes ``cdf.searchsorted(u, side="right")``:
-    a cell is frozen exactly when ``u < p / (p + (1 - p))``. :class:`_Stream` reproduces
-    ``random`` and ``integers`` from the raw outputs, so this yields RAGEN's map for the seed
-    (``tests/envs/test_frozen_lake.py`` checks it against those literal calls).
-    """
-    n = size * size
-    frozen_below = p / (p + (1.0 - p))  # numpy's normalised cdf[0], bit for bit
-    while True:
-        cells = ["F" if u < frozen_below else "H" for u in stream.uniforms(n)]
-        while True:
-            start_r, start_c = stream.integer(size), stream.integer(size)
-            goal_r, goal_c = stream.integer(size), stream.integer(size)
-            if (start_r, start_c) != (goal_r, goal_c):
-                break
-        start, goal = start_r * size + start_c, goal_r * size + goal_c
-        cells[start], cells[goal] = "S", "G"
-        flat = "".join(cells)
-        free = int(flat.translate(_FREE_BIT)[::-1], 2)  # bit i set: cell i is not a hole
-        if _connected(free, start, 1 << goal, size, size):
-            return tuple(flat[i : i + size] for i in range(0, n, size))
-
-
-def _check_map_args(size: int, p: float) -> float:
-    if size < 2:
-        raise ValueError(f"FrozenLake size must be >= 2, got {size}")
-    p = min(1.0, float(p))
-    if p <= 0.0:
-        raise ValueError(f"FrozenLake p (probability of a frozen cell) must be > 0, got {p}")
-    return p
-
-
-class _LRU:
-    """A small least-recently-used map: ``get`` refreshes an entry, ``put`` evicts the oldest."""
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._items: OrderedDict[Any, Any] = OrderedDict()
-
-    def get(self, key: Any) -> Any:
-        value = self._items.get(key)
-        if value is not None:  # to the newest end (pop + set: safe if another thread evicted it)
-            self._items.pop(key, None)
-            self._items[key] = value
-        return value
-
-    def put(self, key: Any, value: Any) -> None:
-        self._items[key] = value
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-
-    def clear(self) -> None:
-        self._items.clear()
-
-
-#: Generated maps by ``(size, p, seed)``: envs of one group reset with the same seed.
-_MAPS = _LRU(_CACHE_SIZE)
-
-
-def _seeded_map(size: int, p: float, seed: int, stream: _Stream | None = None) -> tuple[str, ...]:
-    """The map of ``seed`` (cached); ``stream``, if given, is the seed's (its readers are not moved)."""
-    key = (size, p, seed)
-    desc = _MAPS.get(key)
-    if desc is None:
-        desc = _draw_map(size, p, _Stream(seed) if stream is None else stream.fork())
-        _MAPS.put(key, desc)
-    return desc
-
-
-def generate_map(size: int, p: float, seed: int | None) -> list[str]:
-    """A random ``size`` x ``size`` map with a random start and goal and a path between them.
-
-    Same numpy calls in the same order as RAGEN's generator, so a seed names the same map.
-    ``p`` is the probability that a cell is frozen (RAGEN's docstring says hole; its code says frozen).
-    """
-    p = _check_map_args(size, p)
-    if seed is None:
-        return list(_draw_map(size, p, _Stream(None)))
-    return list(_seeded_map(size, p, seed))
-
-
-def _state_transitions(desc: Sequence[str], s: int, is_slippery: bool) -> dict[int, list[Transition]]:
-    """gymnasium's ``P[s]`` for ``desc``: ``{action: [(prob, next_state, reward, terminated), ...]}``."""
-    nrow, ncol = len(desc), len(desc[0])
-    r, c = divmod(s, ncol)
-    if desc[r][c] in "GH":
-        return {a: [(1.0, s, 0.0, True)] for a in range(4)}
-
-    def outcome(a: int) -> tuple[int, float, bool]:
-        if a == LEFT:
-            nr, nc = r, max(c - 1, 0)
-        elif a == DOWN:
-            nr, nc = min(r + 1, nrow - 1), c
-        elif a == RIGHT:
-            nr, nc = r, min(c + 1, ncol - 1)
-        else:
-            nr, nc = max(r - 1, 0), c
-        letter = desc[nr][nc]
-        return nr * ncol + nc, 1.0 if letter == "G" else 0.0, letter in "GH"
-
-    if not is_slippery:
-        return {a: [(1.0, *outcome(a))] for a in range(4)}
-    return {
-        a: [(_SUCCESS_RATE if b == a else _FAIL_RATE, *outcome(b)) for b in ((a - 1) % 4, a, (a + 1) % 4)]
-        for a in range(4)
-    }
-
-
-def build_transitions(
-    desc: Sequence[str], is_slippery: bool = True
-) -> dict[int, dict[int, list[Transition]]]:
-    """gymnasium's transition table ``P`` for ``desc`` (same structure, order and floats)."""
-    return {s: _state_transitions(desc, s, is_slippery) for s in range(len(desc) * len(desc[0]))}
-
-
-@lru_cache(maxsize=64)
-def _moves(nrow: int, ncol: int) -> list[tuple[int, int, int, int]]:
-    """Per state, the cell each of ``Left, Down, Right, Up`` leads to (bumping the border stays)."""
-    out = []
-    for r in range(nrow):
-        for c in range(ncol):
-            out.append(
-                (
-                    r * ncol + max(c - 1, 0),
-                    min(r + 1, nrow - 1) * ncol + c,
-                    r * ncol + min(c + 1, ncol - 1),
-                    max(r - 1, 0) * ncol + c,
-                )
-            )
-    return out
-
-
-#: Sampling a slippery move exactly as the table does: cumulative (fail, success, fail) thresholds.
-_SLIP_FIRST = _FAIL_RATE
-_SLIP_SECOND = _FAIL_RATE + _SUCCESS_RATE
-_CELL_TEXT = str.maketrans(_CELL_SYMBOL)
-
-
-class _MapData:
-    """Everything derived from one map, shared by every env on that map (read-only for them).
-
-    Reset only looks the map up (a new random map per episode is the common case, and episodes are
-    short), so it holds just the cell letters: ``step`` samples a move from the geometry, the text
-    is one base string with the player spliced in (memoised per state), and the full transition
-    table (``transition_table``, the oracle) is built the first time it is asked for.
-    """
-
-    __slots__ = (
-        "base",
-        "desc",
-        "flat",
-        "goal_states",
-        "is_slippery",
-        "moves",
-        "ncol",
-        "oracle",
-        "renders",
-        "start_state",
-        "table",
-        "terminal",
-    )
-
-    def __init__(self, desc: tuple[str, ...], is_slippery: bool) -> None:
-        self.desc = list(desc)
-        self.is_slippery = is_slippery
-        self.ncol = len(desc[0])
-        self.flat = flat = "".join(desc)
-        self.start_state = flat.index("S")
-        self.goal_states = frozenset(i for i, ch in enumerate(flat) if ch == "G")
-        self.terminal = [ch in "GH" for ch in flat]
-        self.moves = _moves(len(desc), self.ncol)
-        self.base = "\n".join(desc).translate(_CELL_TEXT)
-        self.renders: dict[int, str] = {}
-        self.table: dict[int, dict[int, list[Transition]]] | None = None
-        self.oracle: tuple[list[list[int]], float] | None = None
-
-    def full_table(self) -> dict[int, dict[int, list[Transition]]]:
-        if self.table is None:
-            self.table = build_transitions(self.desc, self.is_slippery)
-        return self.table
-
-    def render(self, state: int) -> str:
-        text = self.renders.get(state)
-        if text is None:
-            k = state + state // self.ncol  # one newline per row above
-            text = self.base[:k] + _PLAYER_SYMBOL[self.flat[state]] + self.base[k + 1 :]
-            self.renders[state] = text
-        return text
-
-
-#: Map data by ``(rows, is_slippery)``.
-_MAP_DATA = _LRU(_CACHE_SIZE)
-
-
-def _map_data(desc: tuple[str, ...], is_slippery: bool) -> _MapData:
-    key = (desc, is_slippery)
-    data = _MAP_DATA.get(key)
-    if data is None:
-        data = _MapData(desc, is_slippery)
-        _MAP_DATA.put(key, data)
-    return data
-
-
-def clear_caches() -> None:
-    """Forget the cached maps and map data (benchmarks use it to time the uncached path)."""
-    _MAPS.clear()
-    _MAP_DATA.clear()
 
 
 # The environment -----------------------------------------------------------------------------------
@@ -445,12 +112,12 @@ class FrozenLakeEnv(Env):
         self.state = 0
         self.start_state = 0
         self.goal_states: frozenset[int] = frozenset()
-        self._data: _MapData | None = None
-        self._stream: _Stream | None = None
+        self._data: MapData | None = None
+        self._stream: Stream | None = None
         self._slip_pos = 0  # the slip stream's next output
 
     # Map ------------------------------------------------------------------------------------------
-    def _set_map(self, data: _MapData) -> None:
+    def _set_map(self, data: MapData) -> None:
         if data is self._data:
             return
         self._data = data
@@ -482,14 +149,14 @@ class FrozenLakeEnv(Env):
         the block's start) and the slips (also from its start); nothing else is built for the map
         until it is needed.
         """
-        stream = _Stream(seed)
+        stream = Stream(seed)
         if self._fixed_desc is not None:
             desc = self._fixed_desc
         elif self.map_seed is not None:
-            desc = _seeded_map(self.size, _check_map_args(self.size, self.p), self.map_seed)
+            desc = seeded_map(self.size, check_map_args(self.size, self.p), self.map_seed)
         else:
-            desc = _seeded_map(self.size, _check_map_args(self.size, self.p), seed, stream)
-        self._set_map(_map_data(desc, self.is_slippery))
+            desc = seeded_map(self.size, check_map_args(self.size, self.p), seed, stream)
+        self._set_map(map_data(desc, self.is_slippery))
         self._stream = stream
         self._slip_pos = 1  # gymnasium samples the (one-hot) start distribution: one uniform
         self.state = self.start_state
@@ -509,13 +176,13 @@ class FrozenLakeEnv(Env):
             return invalid_step(self.render())
         pos = self._slip_pos
         self._slip_pos = pos + 1
-        u = ((stream.words[pos] if pos < len(stream.words) else stream.word(pos)) >> 11) * _UNIT
+        u = ((stream.words[pos] if pos < len(stream.words) else stream.word(pos)) >> 11) * UNIT
         prev = self.state
         if data.terminal[prev]:
             state, reward = prev, 0.0
         else:
             if data.is_slippery:
-                a = (a - 1) % 4 if u < _SLIP_FIRST else a if u < _SLIP_SECOND else (a + 1) % 4
+                a = (a - 1) % 4 if u < SLIP_FIRST else a if u < SLIP_SECOND else (a + 1) % 4
             state = data.moves[prev][a]
             reward = 1.0 if data.flat[state] == "G" else 0.0
         self.state = state
@@ -532,7 +199,7 @@ class FrozenLakeEnv(Env):
             raise RuntimeError("FrozenLakeEnv.render() before reset(seed)")
         return self._observation(self._data, self.state)
 
-    def _observation(self, data: _MapData, state: int) -> str:
+    def _observation(self, data: MapData, state: int) -> str:
         """The grid, and with ``coordinates`` the positions under it (zero-indexed (row, column))."""
         grid = data.render(state)
         if not self.coordinates:
@@ -666,64 +333,77 @@ def optimal_policy(
     """
     table, start = _table_of(env_or_desc, is_slippery)
     n = len(table)
-    tie_discount = 0.9 * gamma
-
-    def backup(values: list[float], tie_values: list[float]) -> tuple[list[int], list[float], list[float]]:
-        """One Bellman step; among actions within 1e-12 of the best value, prefer the fastest one
-        (highest value under the extra discount ``tie_values``), so the oracle never dawdles."""
-        actions, new, new_tie = [], [], []
-        for s in range(n):
-            qs = []
-            for a in range(4):
-                q = w = 0.0
-                for prob, ns, reward, term in table[s][a]:
-                    q += prob * (reward + (0.0 if term else gamma * values[ns]))
-                    w += prob * (reward + (0.0 if term else tie_discount * tie_values[ns]))
-                qs.append((q, w))
-            best_q = max(q for q, _ in qs)
-            best_a = max((a for a in range(4) if qs[a][0] >= best_q - 1e-12), key=lambda a: (qs[a][1], -a))
-            actions.append(best_a)
-            new.append(qs[best_a][0])
-            new_tie.append(qs[best_a][1])
-        return actions, new, new_tie
-
-    def evaluate(policy_rows: list[list[int]], steps: int | None) -> float:
-        """Undiscounted P(reach goal) of a (possibly time-dependent) policy from the start."""
-        values = [0.0] * n
-        k = 0
-        while True:
-            k += 1
-            row = policy_rows[min(k, len(policy_rows)) - 1]
-            new = [
-                sum(
-                    prob * (reward + (0.0 if term else values[ns]))
-                    for prob, ns, reward, term in table[s][row[s]]
-                )
-                for s in range(n)
-            ]
-            delta = max(abs(x - y) for x, y in zip(new, values, strict=True))
-            values = new
-            if (steps is not None and k >= steps) or (steps is None and (delta < tol or k >= max_iter)):
-                return values[start]
-
     values, tie_values = [0.0] * n, [0.0] * n
     if horizon is not None:
         if horizon < 1:
             raise ValueError(f"horizon must be >= 1, got {horizon}")
         rows: list[list[int]] = []
         for _ in range(horizon):
-            row, values, tie_values = backup(values, tie_values)
+            row, values, tie_values = _backup(table, values, tie_values, gamma)
             rows.append(row)
-        return rows, (values[start] if gamma == 1.0 else evaluate(rows, horizon))
+        if gamma == 1.0:
+            return rows, values[start]
+        return rows, _success_prob(table, start, rows, horizon, tol, max_iter)
     if not 0.0 < gamma < 1.0:
         raise ValueError("horizon=None needs a discount 0 < gamma < 1 (undiscounted ties never end)")
     for _ in range(max_iter):
-        row, new, tie_values = backup(values, tie_values)
+        row, new, tie_values = _backup(table, values, tie_values, gamma)
         done = max(abs(x - y) for x, y in zip(new, values, strict=True)) < tol
         values = new
         if done:
             break
-    return [row], evaluate([row], None)
+    return [row], _success_prob(table, start, [row], None, tol, max_iter)
+
+
+def _backup(
+    table: dict[int, dict[int, list[Transition]]], values: list[float], tie_values: list[float], gamma: float
+) -> tuple[list[int], list[float], list[float]]:
+    """One Bellman step; among actions within 1e-12 of the best value, prefer the fastest one
+    (highest value under the extra discount ``tie_values``), so the oracle never dawdles."""
+    tie_discount = 0.9 * gamma
+    actions, new, new_tie = [], [], []
+    for s in range(len(table)):
+        qs = []
+        for a in range(4):
+            q = w = 0.0
+            for prob, ns, reward, term in table[s][a]:
+                q += prob * (reward + (0.0 if term else gamma * values[ns]))
+                w += prob * (reward + (0.0 if term else tie_discount * tie_values[ns]))
+            qs.append((q, w))
+        best_q = max(q for q, _ in qs)
+        best_a = max((a for a in range(4) if qs[a][0] >= best_q - 1e-12), key=lambda a: (qs[a][1], -a))
+        actions.append(best_a)
+        new.append(qs[best_a][0])
+        new_tie.append(qs[best_a][1])
+    return actions, new, new_tie
+
+
+def _success_prob(
+    table: dict[int, dict[int, list[Transition]]],
+    start: int,
+    policy_rows: list[list[int]],
+    steps: int | None,
+    tol: float,
+    max_iter: int,
+) -> float:
+    """Undiscounted P(reach goal) of a (possibly time-dependent) policy from ``start``: over ``steps``
+    actions, or (``None``) until the values move less than ``tol`` or after ``max_iter`` sweeps."""
+    n = len(table)
+    values = [0.0] * n
+    k = 0
+    while True:
+        k += 1
+        row = policy_rows[min(k, len(policy_rows)) - 1]
+        new = [
+            sum(
+                prob * (reward + (0.0 if term else values[ns])) for prob, ns, reward, term in table[s][row[s]]
+            )
+            for s in range(n)
+        ]
+        delta = max(abs(x - y) for x, y in zip(new, values, strict=True))
+        values = new
+        if (steps is not None and k >= steps) or (steps is None and (delta < tol or k >= max_iter)):
+            return values[start]
 
 
 def policy_action(table: list[list[int]], state: int, steps_left: int) -> int:

@@ -35,7 +35,7 @@ server (``PREFECT_API_URL``): a local SQLite store locks under concurrent writer
 
 On Prefect's scheduler (``deployment``, ``ragen sweep run --deployment ragen-train/ragen-train``):
 every member is dispatched at once as a flow run of that deployment onto its work pool
-(:class:`WorkerDispatch`), so as many workers as there are, on this machine or others, train that
+(:class:`flows.sweep_dispatch.WorkerDispatch`), so as many workers as there are, on this machine or others, train that
 many members at once; ``concurrency_limit`` names a Prefect global concurrency limit whose slot each
 member holds while it trains (``TrainRequest.concurrency_limit``), in place of ``concurrency``.
 """
@@ -59,13 +59,13 @@ from pydantic import BaseModel, Field
 
 from flows.reporting import name_flow_run, report_artifact
 from flows.settings import configure_environment
+from flows.sweep_dispatch import WorkerDispatch
 from flows.train import TrainRequest
 from ragen_core.config.tracking import TrackingConfig
 from ragen_core.sweep.report import build_report
 from ragen_core.sweep.spec import (
     Member,
     SweepConfig,
-    SweepError,
     expand,
     load_sweep,
     sweep_hash,
@@ -399,8 +399,8 @@ class _Sweep:
                 done, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for fut in done:
                     m = running.pop(fut)
-                    exc = fut.exception()
-                    self.finish(m, None if exc else fut.result(), exc)
+                    error = fut.exception()
+                    self.finish(m, None if error else fut.result(), error)
 
     # ---------------------------------------------------------------- the end
     def summarize_parent(self) -> dict[str, list[str]]:
@@ -425,143 +425,6 @@ class _Sweep:
         # The same report on the sweep's flow run (its curves stay files: Prefect shows no local images).
         report_artifact(rep.to_markdown(), self.folder.name, f"sweep report, also in {out}")
         return out
-
-
-class WorkerDispatch:
-    """Members as flow runs of a deployment (``run_deployment``), picked up by its work pool's workers:
-    N workers, on this machine or others, train N members at once; a Prefect global concurrency limit,
-    when given, caps how many train at a time whatever the number of workers.
-
-    Every member is dispatched at once and then watched: its flow run's id is kept in the sweep's
-    state, so a sweep run again waits for a member still in flight instead of dispatching it twice.
-    Members that wait (no worker online, every slot of the limit taken) are reported every
-    ``report_every_s`` seconds, saying for what."""
-
-    def __init__(
-        self,
-        sweep: _Sweep,
-        deployment: str,
-        limit: str | None,
-        poll_s: float = 2.0,
-        report_every_s: float = 30.0,
-    ) -> None:
-        self.sweep, self.deployment, self.limit = sweep, deployment, limit
-        self.poll_s, self.report_every_s = poll_s, report_every_s
-        self.pool = self.check()
-
-    @staticmethod
-    def client() -> Any:
-        from prefect.client.orchestration import get_client
-
-        return get_client(sync_client=True)
-
-    def check(self) -> str:
-        """The deployment's work pool; a missing deployment or limit is named with its fix, before any work."""
-        from prefect.exceptions import ObjectNotFound
-
-        with self.client() as client:
-            try:
-                pool = client.read_deployment_by_name(self.deployment).work_pool_name
-            except ObjectNotFound:
-                raise SweepError(
-                    f"deployment {self.deployment!r} not found on the Prefect server; deploy it first "
-                    "(`prefect --no-prompt deploy --all` from the repo root, see docs/deployments.md)"
-                ) from None
-            if self.limit:
-                try:
-                    client.read_global_concurrency_limit_by_name(self.limit)
-                except ObjectNotFound:
-                    raise SweepError(
-                        f"concurrency limit {self.limit!r} does not exist; create it with "
-                        f"`prefect gcl create {self.limit} --limit N` (N: members to train at once)"
-                    ) from None
-        return str(pool)
-
-    def run(self, members: list[Member]) -> None:
-        with self.client() as client:
-            in_flight: dict[Any, Member] = {}
-            for m in members:
-                flow_run_id = self._dispatch(client, m)
-                if flow_run_id is not None:
-                    in_flight[flow_run_id] = m
-            last_report = time.monotonic()
-            while in_flight:
-                time.sleep(self.poll_s)
-                states = {fid: client.read_flow_run(fid).state for fid in in_flight}
-                for fid, state in states.items():
-                    if state is not None and state.is_final():
-                        self._finish(in_flight.pop(fid), fid, state)
-                if in_flight and time.monotonic() - last_report >= self.report_every_s:
-                    last_report = time.monotonic()
-                    self._report_waiting(client, {fid: states[fid] for fid in in_flight})
-
-    def _dispatch(self, client: Any, m: Member) -> Any:
-        """The member's flow run: the one still in flight from an earlier sweep run, else a new one."""
-        from uuid import UUID
-
-        from prefect.deployments import run_deployment
-
-        e = self.sweep.entry(m.key)
-        if e.flow_run_id and e.status == "running":
-            state = client.read_flow_run(UUID(e.flow_run_id)).state
-            if state is not None and not state.is_final():
-                self.sweep.log.info("sweep: member %s is still in flight (flow run %s)", m.key, e.flow_run_id)
-                return UUID(e.flow_run_id)
-        try:
-            request = self.sweep.prepare(m).model_copy(update={"concurrency_limit": self.limit})
-        except Exception as exc:
-            self.sweep.finish(m, None, exc)
-            return None
-        flow_run = run_deployment(
-            self.deployment,
-            parameters={"request": request.model_dump()},
-            timeout=0,
-            tags=["ragen-sweep", self.sweep.sweep.name],
-            idempotency_key=f"{self.sweep.hash}-{m.key}-{e.attempts}",
-        )
-        e.flow_run_id = str(flow_run.id)
-        self.sweep.save()
-        self.sweep.log.info(
-            "sweep: member %s dispatched to %s (flow run %s)", m.key, self.deployment, flow_run.id
-        )
-        return flow_run.id
-
-    def _finish(self, m: Member, flow_run_id: Any, state: Any) -> None:
-        from ragen_core.run.run_dir import RunDir
-
-        if state.is_completed():
-            run = RunDir(self.sweep.entry(m.key).run_dir or "")
-            self.sweep.finish(m, {"last_iteration": run.last_complete()}, None)
-        else:
-            reason = f"flow run {flow_run_id} of {self.deployment} ended {state.name}: {state.message or ''}"
-            self.sweep.finish(m, None, RuntimeError(reason.strip()))
-
-    def _report_waiting(self, client: Any, states: Mapping[Any, Any]) -> None:
-        """Say which members wait, and for what: a worker of the pool, or a slot of the limit."""
-        from prefect.client.schemas.objects import StateType
-
-        waiting = [
-            fid
-            for fid, s in states.items()
-            if s is None or s.type in (StateType.SCHEDULED, StateType.PENDING)
-        ]
-        if waiting:
-            online = [w for w in client.read_workers_for_work_pool(self.pool) if w.status == "ONLINE"]
-            why = (
-                f"no worker of work pool {self.pool!r} is online: start one with `prefect worker start --pool {self.pool}`"
-                if not online
-                else f"the {len(online)} online workers of work pool {self.pool!r} are busy"
-            )
-            self.sweep.log.warning("sweep: %d members waiting to start: %s", len(waiting), why)
-        if self.limit and len(states) > len(waiting):
-            gcl = client.read_global_concurrency_limit_by_name(self.limit)
-            if gcl.active_slots >= gcl.limit:
-                self.sweep.log.warning(
-                    "sweep: started members may be waiting for a slot of concurrency limit %r (%d of %d taken)",
-                    self.limit,
-                    gcl.active_slots,
-                    gcl.limit,
-                )
 
 
 def run_sweep(

@@ -102,11 +102,19 @@ def _turn_scores(turn_rewards: Sequence[Sequence[float]], infos: Sequence[dict[s
     return _pad(rows, max((len(r) for r in rows), default=0), torch.float32)
 
 
-def check_batch(  # noqa: C901 - one independent check per batch field, each with its own message
+def check_batch(
     batch: TokenBatch, turn_scores: torch.Tensor | None, cfg: LearnerConfig, vocab: int | None
 ) -> None:
     """Raise :class:`BadBatchError` naming the first thing that keeps ``batch`` (and its ``turn_scores``)
     from an update under ``cfg``; ``vocab`` is the policy's vocabulary size (None: not checked)."""
+    n = _check_shapes(batch)
+    _check_tokens(batch, vocab)
+    _check_for_config(batch, turn_scores, cfg, n)
+
+
+def _check_shapes(batch: TokenBatch) -> int:
+    """Every field present, at least one row, token tensors ``(B, L)``, per-row ones ``(B,)``, finite
+    scores; the number of rows."""
     names = ("input_ids", "attention_mask", "loss_mask", "turn_index", "scores", "group_ids")
     missing = [n for n in names if getattr(batch, n, None) is None]
     if missing:
@@ -139,6 +147,12 @@ def check_batch(  # noqa: C901 - one independent check per batch field, each wit
             f"non-finite reward (score) in trajectories {rows}: check the environment's rewards and the "
             "format penalty of these rows"
         )
+    return n
+
+
+def _check_tokens(batch: TokenBatch, vocab: int | None) -> None:
+    """Right-padded attention, trained tokens inside it (never the first), in every row, inside the
+    vocabulary."""
     loss_mask = batch.loss_mask != 0
     attention = batch.attention_mask != 0
     if bool((attention[:, 1:] & ~attention[:, :-1]).any()):
@@ -159,6 +173,12 @@ def check_batch(  # noqa: C901 - one independent check per batch field, each wit
                 f"input_ids outside the policy's vocabulary [0, {vocab}): min {int(ids.min())}, "
                 f"max {int(ids.max())}; was the batch made with another tokenizer?"
             )
+
+
+def _check_for_config(
+    batch: TokenBatch, turn_scores: torch.Tensor | None, cfg: LearnerConfig, n: int
+) -> None:
+    """What ``cfg`` needs of a batch of ``n`` rows: enough rows for a mini-batch, turn scores, env tags."""
     if cfg.optim.mini_batch_size > n:
         raise BadBatchError(
             f"optim.mini_batch_size={cfg.optim.mini_batch_size} is larger than the {n} trajectories "

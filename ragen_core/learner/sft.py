@@ -165,10 +165,8 @@ def build_demonstrations(
             responses[i] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
         groups.step(responses)
 
-    window = protocol.max_context_window
-    summaries = groups.trajectories()
     demos: list[Demo] = []
-    for ep in summaries:
+    for ep in groups.trajectories():
         i = ep.env_id
         common = dict(
             tag=ep.tag,
@@ -180,20 +178,32 @@ def build_demonstrations(
             success=ep.success,
             turn_ids=[t.ids for t in turns[i]],
         )
-        if window <= 0:
-            ids, mask, tidx, _, _ = seg.assemble(groups.messages(i, for_generation=False), turns[i], 0)
-            demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
-            continue
-        history = groups.history(i)
-        for j in range(len(turns[i])):
-            start = max(0, j + 1 - window)
-            messages = build_messages(
-                groups.prefix(i), history[: j + 1], protocol, groups.max_tokens(i), False
-            )
-            ids, mask, tidx, _, _ = seg.assemble(messages, turns[i][start : j + 1], start)
-            mask = [m if t == j else 0 for m, t in zip(mask, tidx, strict=True)]
-            demos.append(Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common))  # type: ignore[arg-type]
+        demos += [
+            Demo(input_ids=ids, loss_mask=mask, turn_index=tidx, **common)  # type: ignore[arg-type]
+            for ids, mask, tidx in _sequences(groups, seg, protocol, i, turns[i])
+        ]
     return demos
+
+
+def _sequences(
+    groups: EnvGroups, seg: Segments, protocol: ProtocolConfig, env_id: int, turns: list[_Turn]
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """Tokens, loss mask and turn index of one demonstration episode: one sequence with the full
+    history, else one per turn (its prompt inside the window plus its answer, trained on that turn)."""
+    window = protocol.max_context_window
+    if window <= 0:
+        ids, mask, tidx, _, _ = seg.assemble(groups.messages(env_id, for_generation=False), turns, 0)
+        return [(ids, mask, tidx)]
+    history = groups.history(env_id)
+    out = []
+    for j in range(len(turns)):
+        start = max(0, j + 1 - window)
+        messages = build_messages(
+            groups.prefix(env_id), history[: j + 1], protocol, groups.max_tokens(env_id), False
+        )
+        ids, mask, tidx, _, _ = seg.assemble(messages, turns[start : j + 1], start)
+        out.append((ids, [m if t == j else 0 for m, t in zip(mask, tidx, strict=True)], tidx))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,54 +299,14 @@ def train_sft(
     old_threads = torch.get_num_threads()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=cfg.betas,
-    )
-    order_rng = random.Random(cfg.seed)
-    order: list[list[int]] = []
-    curve: list[list[float]] = []
-    window: list[float] = []
-    tokens = 0
-    stopped_early = False
-    step = 0
     t1 = time.perf_counter()
     model.train()
     try:
-        for step in range(cfg.steps):
-            if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
-                stopped_early = True
-                break
-            if not order:
-                order = _epoch_batches(demos, cfg.batch_size, order_rng)
-            batch = [demos[k] for k in order.pop()]
-            ids, attn, mask = _pad_batch(batch, pad_id)
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr * _lr_factor(step, cfg)
-            loss, n = sft_loss(model, ids, attn, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            tokens += n
-            window.append(float(loss.detach()))
-            if len(window) == cfg.log_every:
-                curve.append([step + 1, sum(window) / len(window)])
-                window = []
-            if (step + 1) * SFT_PROGRESS_LINES // cfg.steps > step * SFT_PROGRESS_LINES // cfg.steps:
-                progress_log.info(sft_progress_line(step + 1, cfg.steps, curve, time.perf_counter() - t1))
-        else:
-            step = cfg.steps
+        step, curve, tokens, stopped_early = _train_steps(model, demos, cfg, pad_id, t0, t1)
     finally:
         model.eval()
         if cfg.num_threads is not None:
             torch.set_num_threads(old_threads)
-    if window:
-        curve.append([step, sum(window) / len(window)])
     turns = [o for d in demos for o in d.optimal]
     return {
         "steps": step,
@@ -352,6 +322,55 @@ def train_sft(
         "demo_optimal_turns": sum(turns) / max(1, len(turns)),
         "stopped_early": stopped_early,
     }
+
+
+def _train_steps(
+    model: Any, demos: list[Demo], cfg: SFTConfig, pad_id: int, t0: float, t1: float
+) -> tuple[int, list[list[float]], int, bool]:
+    """The optimizer steps (AdamW, no weight decay on biases and norms); returns the steps taken, the
+    loss curve, the trained tokens and whether the ``max_seconds`` guard (from ``t0``) fired. ``t1``:
+    when training started, for the progress lines."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+    )
+    order_rng = random.Random(cfg.seed)
+    order: list[list[int]] = []
+    curve: list[list[float]] = []
+    window: list[float] = []
+    tokens = 0
+    step = 0
+    for step in range(cfg.steps):
+        if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+            if window:
+                curve.append([step, sum(window) / len(window)])
+            return step, curve, tokens, True
+        if not order:
+            order = _epoch_batches(demos, cfg.batch_size, order_rng)
+        batch = [demos[k] for k in order.pop()]
+        ids, attn, mask = _pad_batch(batch, pad_id)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * _lr_factor(step, cfg)
+        loss, n = sft_loss(model, ids, attn, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        tokens += n
+        window.append(float(loss.detach()))
+        if len(window) == cfg.log_every:
+            curve.append([step + 1, sum(window) / len(window)])
+            window = []
+        if (step + 1) * SFT_PROGRESS_LINES // cfg.steps > step * SFT_PROGRESS_LINES // cfg.steps:
+            progress_log.info(sft_progress_line(step + 1, cfg.steps, curve, time.perf_counter() - t1))
+    step = cfg.steps
+    if window:
+        curve.append([step, sum(window) / len(window)])
+    return step, curve, tokens, False
 
 
 def warm_start(

@@ -260,8 +260,6 @@ class Learner:
         )
         return int(cast(torch.Tensor, emb.weight).shape[0]) if emb is not None else None
 
-    # ---------------------------------------------------------------- rewards and advantages
-
     # ---------------------------------------------------------------- the step
 
     def step(

@@ -2,10 +2,10 @@
 
 from ragen_core.rollout.engine import (
     Generation,
-    HFEngine,
     PromptTooLongError,
     RolloutEngine,
     SamplingParams,
 )
+from ragen_core.rollout.hf_engine import HFEngine
 
 __all__ = ["Generation", "HFEngine", "PromptTooLongError", "RolloutEngine", "SamplingParams"]

@@ -20,7 +20,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from ragen_core.env_groups import EnvGroups
+from ragen_core.env_groups import EnvGroups, EpisodeSummary
 from ragen_core.progress import progress_log
 from ragen_core.protocol import Message, forced_prefix
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
@@ -33,8 +33,8 @@ PROGRESS_EVERY_S = 10.0
 
 
 class _ConstrainedEngine(Protocol):
-    """An engine that takes ``constraints`` (the abstract ``RolloutEngine.generate`` leaves the keyword
-    to the engines that support constrained decoding)."""
+    """An engine that takes ``constraints``: the hf engine (``RolloutEngine.generate`` has no such keyword;
+    the config refuses constrained decoding with another engine)."""
 
     def generate(
         self,
@@ -222,117 +222,143 @@ def run_rollouts(
     pipeline's iteration ``k`` plays train round ``k - 1``; validation always plays round 0 and is
     labelled with the number of iterations its policy has trained.
     """
-    protocol = groups.protocol
-    prefix = forced_prefix(protocol)
-    seg = Segments(tokenizer, prefix)
-    window = protocol.max_context_window
-    split = groups.mode
-    groups.reset(seed_round)
-    convs = {i: _Conversation() for i in groups.env_ids}
-    progress = _Progress(split, len(convs), protocol.max_turn)
-    constrained = protocol.action_decoding == "constrained"
-    grammars: dict[tuple[str, ...], ActionGrammar] = {}
+    play = _Episodes(groups, engine, tokenizer, params, seed_round)
+    # A turn's prompt continues the conversation of the turn before: the engine may reuse its KV cache.
+    # With one turn there is nothing to continue, and keeping every sequence's cache would be waste.
+    with engine.conversations() if groups.protocol.max_turn > 1 else contextlib.nullcontext():
+        for turn in range(groups.protocol.max_turn):
+            if not play.play_turn(turn, seed, seed_round):
+                break
+    return [play.trajectory(ep, run_id, iteration) for ep in groups.trajectories()]
 
-    def constraint(env_id: int) -> AnswerConstraint:
-        actions = tuple(groups.env(env_id).actions or ())
-        if actions not in grammars:
-            grammars[actions] = ActionGrammar.for_protocol(tokenizer, actions, protocol)
+
+class _Episodes:
+    """The episodes of one :func:`run_rollouts` call: what each env's conversation holds in tokens, turn
+    after turn, and the trajectories they make."""
+
+    def __init__(
+        self,
+        groups: EnvGroups,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        params: SamplingParams,
+        seed_round: int,
+    ) -> None:
+        self.groups, self.engine, self.tokenizer, self.params = groups, engine, tokenizer, params
+        self.protocol = protocol = groups.protocol
+        self.prefix = forced_prefix(protocol)
+        self.seg = Segments(tokenizer, self.prefix)
+        self.window = protocol.max_context_window
+        self.split = groups.mode
+        groups.reset(seed_round)
+        self.convs = {i: _Conversation() for i in groups.env_ids}
+        self.progress = _Progress(self.split, len(self.convs), protocol.max_turn)
+        self.constrained = protocol.action_decoding == "constrained"
+        self.grammars: dict[tuple[str, ...], ActionGrammar] = {}
+
+    def constraint(self, env_id: int) -> AnswerConstraint:
+        """A fresh answer constraint over env ``env_id``'s actions (one grammar per action set)."""
+        actions = tuple(self.groups.env(env_id).actions or ())
+        if actions not in self.grammars:
+            self.grammars[actions] = ActionGrammar.for_protocol(self.tokenizer, actions, self.protocol)
         return AnswerConstraint(
-            grammars[actions], tokenizer, in_answer=not protocol.enable_think, budget=params.max_new_tokens
+            self.grammars[actions],
+            self.tokenizer,
+            in_answer=not self.protocol.enable_think,
+            budget=self.params.max_new_tokens,
         )
 
-    def visible(env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
-        history = groups.history(env_id)
+    def visible(self, env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
+        """The messages the model sees (inside the context window), their sampled turns, and the
+        index of the first turn shown."""
+        history = self.groups.history(env_id)
         n = len(history)
         if not for_generation:
             while n and not history[n - 1].played:
                 n -= 1
-        start = max(0, n - window) if window > 0 else 0
+        start = max(0, n - self.window) if self.window > 0 else 0
         played = [i for i in range(start, n) if history[i].played]
-        turns = [convs[env_id].turns[i] for i in played]
-        return groups.messages(env_id, for_generation), turns, start
+        turns = [self.convs[env_id].turns[i] for i in played]
+        return self.groups.messages(env_id, for_generation), turns, start
 
-    # A turn's prompt continues the conversation of the turn before: the engine may reuse its KV cache.
-    # With one turn there is nothing to continue, and keeping every sequence's cache would be waste.
-    with engine.conversations() if protocol.max_turn > 1 else contextlib.nullcontext():
-        for turn in range(protocol.max_turn):
-            active = groups.active_ids()
-            if not active:
-                break
-            prompts = []
-            for env_id in active:
-                messages, turns, start = visible(env_id, True)
-                prompts.append(seg.assemble(messages, turns, start)[0])
-            seeds = [turn_seed(seed, seed_round, split, env_id, turn) for env_id in active]
-            if constrained:
-                gens = cast(_ConstrainedEngine, engine).generate(
-                    prompts, params, seeds, constraints=[constraint(env_id) for env_id in active]
-                )
-            else:
-                gens = engine.generate(prompts, params, seeds)
-            responses = {}
-            for env_id, gen in zip(active, gens, strict=True):
-                ids = list(gen.token_ids)
-                closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
-                convs[env_id].turns.append(
-                    _Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed, allowed=list(gen.allowed))
-                )
-                responses[env_id] = prefix + tokenizer.decode(ids, skip_special_tokens=True)
-            groups.step(responses)
-            progress.turn_done(turn, len(groups.active_ids()))
+    def play_turn(self, turn: int, seed: int, seed_round: int) -> bool:
+        """One turn of every live env, generated in one batch; ``False`` when none was live."""
+        groups, seg = self.groups, self.seg
+        active = groups.active_ids()
+        if not active:
+            return False
+        prompts = []
+        for env_id in active:
+            messages, turns, start = self.visible(env_id, True)
+            prompts.append(seg.assemble(messages, turns, start)[0])
+        seeds = [turn_seed(seed, seed_round, self.split, env_id, turn) for env_id in active]
+        if self.constrained:
+            gens = cast(_ConstrainedEngine, self.engine).generate(
+                prompts, self.params, seeds, constraints=[self.constraint(env_id) for env_id in active]
+            )
+        else:
+            gens = self.engine.generate(prompts, self.params, seeds)
+        responses = {}
+        for env_id, gen in zip(active, gens, strict=True):
+            ids = list(gen.token_ids)
+            closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
+            self.convs[env_id].turns.append(
+                _Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed, allowed=list(gen.allowed))
+            )
+            responses[env_id] = self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
+        groups.step(responses)
+        self.progress.turn_done(turn, len(groups.active_ids()))
+        return True
 
-    out = []
-    for ep in groups.trajectories():
-        messages, turns, start = visible(ep.env_id, False)
-        ids, mask, turn_idx, logps, allowed = seg.assemble(messages, turns, start)
+    def trajectory(self, ep: EpisodeSummary, run_id: str, iteration: int) -> Trajectory:
+        """The trajectory of the finished episode ``ep`` (an ``EnvGroups.trajectories()`` entry)."""
+        messages, turns, start = self.visible(ep.env_id, False)
+        ids, mask, turn_idx, logps, allowed = self.seg.assemble(messages, turns, start)
         # Transcripts keep what the model actually wrote (the history holds normalised text).
-        raw = [r.raw_response or "" for r in groups.history(ep.env_id) if r.played]
+        raw = [r.raw_response or "" for r in self.groups.history(ep.env_id) if r.played]
         shown = [dict(m) for m in messages]
         k = len(raw) - len(turns)
         for m in shown:
             if m["role"] == "assistant":
                 m["content"] = raw[k]
                 k += 1
-        cut_turns = sum(1 for t in convs[ep.env_id].turns if not t.closed)
+        cut_turns = sum(1 for t in self.convs[ep.env_id].turns if not t.closed)
         decoding: dict[str, Any] = {}
-        if constrained:  # absent: every turn decoded freely (what every run before this option did)
+        if self.constrained:  # absent: every turn decoded freely (what every run before this option did)
             decoding = {
-                "turn_decoding": ["constrained"] * len(convs[ep.env_id].turns),
+                "turn_decoding": ["constrained"] * len(self.convs[ep.env_id].turns),
                 "allowed_token_ids": allowed,
             }
-        out.append(
-            Trajectory(
-                run_id=run_id,
-                iteration=iteration,
-                split=split,
-                env_tag=ep.tag,
-                group_id=ep.group_id,
-                env_id=ep.env_id,
-                seed=ep.seed,
-                turn_count=ep.turns,
-                success=ep.success,
-                truncated=ep.truncated,
-                reward=ep.reward,
-                format_penalty=ep.format_penalty,
-                score=ep.score,
-                input_ids=ids,
-                loss_mask=mask,
-                turn_index=turn_idx,
-                rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logps, mask, strict=True)],
-                messages=shown,
-                actions=ep.actions,
-                turn_rewards=ep.turn_rewards,
-                info={
-                    "end_reason": ep.end_reason,
-                    "num_actions": ep.num_actions,
-                    "turn_penalties": ep.turn_penalties,
-                    "turns_cut_by_max_new_tokens": cut_turns,
-                    # a turn hit max_new_tokens without its end-of-turn token (RAGEN's clip ratio)
-                    "response_truncated": cut_turns > 0,
-                    "first_trained_turn": start,
-                    "infos": ep.infos,
-                    **decoding,
-                },
-            )
+        return Trajectory(
+            run_id=run_id,
+            iteration=iteration,
+            split=self.split,
+            env_tag=ep.tag,
+            group_id=ep.group_id,
+            env_id=ep.env_id,
+            seed=ep.seed,
+            turn_count=ep.turns,
+            success=ep.success,
+            truncated=ep.truncated,
+            reward=ep.reward,
+            format_penalty=ep.format_penalty,
+            score=ep.score,
+            input_ids=ids,
+            loss_mask=mask,
+            turn_index=turn_idx,
+            rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logps, mask, strict=True)],
+            messages=shown,
+            actions=ep.actions,
+            turn_rewards=ep.turn_rewards,
+            info={
+                "end_reason": ep.end_reason,
+                "num_actions": ep.num_actions,
+                "turn_penalties": ep.turn_penalties,
+                "turns_cut_by_max_new_tokens": cut_turns,
+                # a turn hit max_new_tokens without its end-of-turn token (RAGEN's clip ratio)
+                "response_truncated": cut_turns > 0,
+                "first_trained_turn": start,
+                "infos": ep.infos,
+                **decoding,
+            },
         )
-    return out

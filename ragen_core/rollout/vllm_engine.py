@@ -17,7 +17,7 @@ never restarted. On a GPU the same path copies host -> device inside the worker.
 Constrained action decoding: ``generate(..., constraints=)`` sends each
 :class:`~ragen_core.rollout.constrained.AnswerConstraint` as its spec (token ids, no tokenizer); the
 child runs the same grammar as a vLLM logits processor and returns, per generated token, the allowed
-ids and the log-prob renormalised over them, as :class:`~ragen_core.rollout.engine.HFEngine` does
+ids and the log-prob renormalised over them, as :class:`~ragen_core.rollout.hf_engine.HFEngine` does
 (``vllm_server`` module docstring).
 
 Log-probs are vLLM's ``raw_logprobs`` (log-softmax of the raw logits, temperature 1), the

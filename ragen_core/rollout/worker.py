@@ -19,7 +19,8 @@ import torch
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig, Mode
 from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
 

@@ -63,7 +63,7 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
 
         try:
             source = cfg.model.source()
-            assert source is not None  # a saved or imported model: the tiny one returned above
+            assert source is not None  # None only for the tiny model, which returned above
             tokenizer = load_tokenizer(source)
         except (ModelNotFoundError, OSError, ValueError):
             return []  # reported by the model check
@@ -92,10 +92,26 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
 
 def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
-    import shutil
+    problems = _engine_problems(cfg)
+    if cfg.model.imported is not None:
+        from ragen_core.config.model import ModelNotFoundError
+
+        try:
+            cfg.model.source()
+        except ModelNotFoundError as exc:
+            problems.append(str(exc))
+    problems += spelling_problems(cfg)
+    problems += _device_problems(cfg)
+    problems += _run_root_problems(cfg, min_free_gb)
+    if problems:
+        raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+
+
+def _engine_problems(cfg: RagenConfig) -> list[str]:
+    """With ``rollout.engine=vllm``: whether vLLM runs here, and takes the tiny model's head size."""
     import subprocess
 
-    problems = []
+    problems: list[str] = []
     if cfg.rollout.engine == "vllm":
         from ragen_core.rollout.vllm_engine import VLLMUnavailableError, check_vllm, cpu_head_size_problem
 
@@ -107,14 +123,12 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
         problem = cpu_head_size_problem(m.hidden_size // m.num_heads) if m.builds_tiny else None
         if problem:
             problems.append(f"rollout.engine=vllm: {problem}")
-    if cfg.model.imported is not None:
-        from ragen_core.config.model import ModelNotFoundError
+    return problems
 
-        try:
-            cfg.model.source()
-        except ModelNotFoundError as exc:
-            problems.append(str(exc))
-    problems += spelling_problems(cfg)
+
+def _device_problems(cfg: RagenConfig) -> list[str]:
+    """The Ray cluster (local or ``RAY_ADDRESS``) and the GPUs the config asks for."""
+    problems: list[str] = []
     remote = bool(os.environ.get("RAY_ADDRESS"))
     if not remote and cfg.trainer.backend == "ray":
         problems += _local_cluster_problems(cfg)
@@ -135,22 +149,27 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
                 f"trainer.rollout_gpus={cfg.trainer.rollout_gpus} but this machine has no GPU; "
                 "--set trainer.rollout_gpus=0"
             )
+    return problems
+
+
+def _run_root_problems(cfg: RagenConfig, min_free_gb: float) -> list[str]:
+    """The run root: a writable folder (or one that can be made) with ``min_free_gb`` free on its disk."""
+    import shutil
+
     root = Path(cfg.trainer.run_root or state_dir() / "runs")
     probe = existing_ancestor(root)
     if not probe.is_dir() or not os.access(probe, os.W_OK):
-        problems.append(
+        return [
             f"trainer.run_root={root}: {probe} is not a writable folder; choose another "
             "--set trainer.run_root"
-        )
-    else:
-        free_gb = shutil.disk_usage(probe).free / 2**30
-        if free_gb < min_free_gb:
-            problems.append(
-                f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
-                f"more than {min_free_gb} GiB); free space or choose another run root"
-            )
-    if problems:
-        raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+        ]
+    free_gb = shutil.disk_usage(probe).free / 2**30
+    if free_gb < min_free_gb:
+        return [
+            f"trainer.run_root={root}: only {free_gb:.2f} GiB free on its disk (checkpoints need "
+            f"more than {min_free_gb} GiB); free space or choose another run root"
+        ]
+    return []
 
 
 def learnability_check(cfg: RagenConfig) -> None:

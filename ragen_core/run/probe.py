@@ -143,7 +143,8 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     from ragen_core.models.policies import policy_from_config
     from ragen_core.protocol import forced_prefix
     from ragen_core.rollout.constrained import ActionGrammar
-    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.engine import SamplingParams
+    from ragen_core.rollout.hf_engine import HFEngine
     from ragen_core.rollout.runner import Segments, run_rollouts
     from ragen_core.run.stages import sampling_params
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import ray_actor_lost
 from ragen_core.integrity import record
-from ragen_core.models.importing import model_provenance
+from ragen_core.models.provenance import model_provenance
 from ragen_core.monitor import EchoTrapMonitor, Signal
 from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.run.lineage import SystemMetrics, log_lineage

@@ -308,82 +308,28 @@ def build_report(
     ``monitor``: Echo-Trap thresholds (default: each child's own ``monitor.*`` params).
     """
     tracker = _tracker_for(source)
-    client = tracker.client
-    parent = client.get_run(parent_run_id)
+    parent = tracker.client.get_run(parent_run_id)
     ptags = parent.data.tags
-    default = False
-    if compare is None:
-        raw = ptags.get(COMPARE_TAG)
-        compare = json.loads(raw) if raw else list(DEFAULT_COMPARE)
-        default = list(compare) == DEFAULT_COMPARE
-    runs = child_runs(tracker, parent_run_id)
     # one child per member key: the latest (a retried member reuses its run; this is a safety net)
     by_key: dict[str, Any] = {}
-    for run in runs:
+    for run in child_runs(tracker, parent_run_id):
         by_key[run.data.tags.get(MEMBER_TAG, run.info.run_name or run.info.run_id)] = run
-
     histories: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for key, run in by_key.items():
         histories[key] = tracker.run_history(run.info.run_id) if run.data.metrics else {}
-    keys = resolve_compare(compare, {k for h in histories.values() for k in h})
-    if default and len(keys) == 2 and keys[0] == "val-env/success":
-        keys = keys[1:]  # one env tag: the aggregate is the same series
+    keys = _compare_keys(compare, ptags.get(COMPARE_TAG), {k for h in histories.values() for k in h})
 
-    members: list[MemberResult] = []
-    for key, run in by_key.items():
-        tags, hist = run.data.tags, histories[key]
-        seed_raw = tags.get(SEED_TAG)
-        status = run.info.status
-        sigs = detect(hist, monitor_from_params(run.data.params, monitor)) if hist else []
-        start, end = run.info.start_time, run.info.end_time
-        # the steps the run marks as logged (older runs: their marker metric)
-        iters = parse_steps(tags.get(LOGGED_STEPS_TAG, "")) | {s for s, _ in hist.get(ITERATION_KEY, [])}
-        tokens = hist.get(TOKENS_KEY)
-        members.append(
-            MemberResult(
-                key=key,
-                group=tags.get(GROUP_TAG, key),
-                seed=int(seed_raw) if seed_raw not in (None, "", "None") else None,
-                status=status,
-                error=tags.get(ERROR_TAG) or (None if status != "FAILED" else "run failed (see its logs)"),
-                mlflow_run_id=run.info.run_id,
-                run_id=tags.get("ragen.run_id"),
-                overrides=json.loads(tags[OVERRIDES_TAG]) if tags.get(OVERRIDES_TAG) else [],
-                iterations=max(iters) if iters else None,
-                metrics={k: s for k in keys if (s := summarize_series(hist.get(k, []))) is not None},
-                collapse_step=min((s.step for s in sigs), default=None),
-                signals=[f"{s.name}@{s.step}" for s in sorted(sigs, key=lambda s: (s.step, s.name))],
-                wall_s=(end - start) / 1000.0 if start and end else None,
-                tokens=float(sum(v for _, v in tokens)) if tokens else None,
-            )
-        )
+    members = [_member_result(key, run, histories[key], keys, monitor) for key, run in by_key.items()]
 
     def order(m: MemberResult) -> tuple[float, str]:
         idx = by_key[m.key].data.tags.get(INDEX_TAG)
         return (float(idx) if idx is not None else math.inf, m.key)
 
     members.sort(key=order)
-    groups: list[GroupResult] = []
-    for gname in dict.fromkeys(m.group for m in members):
-        ms = [m for m in members if m.group == gname]
-        ok = [m for m in ms if m.status == "FINISHED"]
-        collapsed = [m for m in ok if m.collapse_step is not None]
-        g = GroupResult(
-            name=gname,
-            members=[m.key for m in ms],
-            seeds=[m.seed for m in ms],
-            n_finished=len(ok),
-            n_failed=sum(m.status == "FAILED" for m in ms),
-            final={k: Stat.of(m.metrics[k].final for m in ok if k in m.metrics) for k in keys},
-            peak={k: Stat.of(m.metrics[k].peak for m in ok if k in m.metrics) for k in keys},
-            peak_step={k: Stat.of(m.metrics[k].peak_step for m in ok if k in m.metrics) for k in keys},
-            collapsed=len(collapsed),
-            collapse_step=Stat.of(m.collapse_step for m in collapsed),
-            wall_s=Stat.of(m.wall_s for m in ok),
-            tokens=Stat.of(m.tokens for m in ok),
-            curves=mean_curves([histories[m.key] for m in ok], [*keys, *CURVE_KEYS]),
-        )
-        groups.append(g)
+    groups = [
+        _group_result(gname, [m for m in members if m.group == gname], histories, keys)
+        for gname in dict.fromkeys(m.group for m in members)
+    ]
     return Report(
         sweep=ptags.get(SWEEP_TAG, parent.info.run_name or ""),
         description=ptags.get(DESCRIPTION_TAG, ""),
@@ -392,6 +338,83 @@ def build_report(
         compare=keys,
         members=members,
         groups=groups,
+    )
+
+
+def _compare_keys(compare: Sequence[str] | None, tagged: str | None, available: set[str]) -> list[str]:
+    """The metric keys to compare: ``compare``, else the sweep file's (``tagged``, the parent's
+    ``COMPARE_TAG``), else ``DEFAULT_COMPARE``, resolved against the ``available`` keys."""
+    default = False
+    if compare is None:
+        compare = json.loads(tagged) if tagged else list(DEFAULT_COMPARE)
+        default = list(compare) == DEFAULT_COMPARE
+    keys = resolve_compare(compare, available)
+    if default and len(keys) == 2 and keys[0] == "val-env/success":
+        keys = keys[1:]  # one env tag: the aggregate is the same series
+    return keys
+
+
+def _member_result(
+    key: str,
+    run: Any,
+    hist: Mapping[str, list[tuple[int, float]]],
+    keys: Sequence[str],
+    monitor: MonitorConfig | None,
+) -> MemberResult:
+    """One member's row: its MLflow child ``run`` and metric history ``hist``."""
+    tags = run.data.tags
+    seed_raw = tags.get(SEED_TAG)
+    status = run.info.status
+    sigs = detect(hist, monitor_from_params(run.data.params, monitor)) if hist else []
+    start, end = run.info.start_time, run.info.end_time
+    # the steps the run marks as logged (older runs: their marker metric)
+    iters = parse_steps(tags.get(LOGGED_STEPS_TAG, "")) | {s for s, _ in hist.get(ITERATION_KEY, [])}
+    tokens = hist.get(TOKENS_KEY)
+    return MemberResult(
+        key=key,
+        group=tags.get(GROUP_TAG, key),
+        seed=int(seed_raw) if seed_raw not in (None, "", "None") else None,
+        status=status,
+        error=tags.get(ERROR_TAG) or (None if status != "FAILED" else "run failed (see its logs)"),
+        mlflow_run_id=run.info.run_id,
+        run_id=tags.get("ragen.run_id"),
+        overrides=json.loads(tags[OVERRIDES_TAG]) if tags.get(OVERRIDES_TAG) else [],
+        iterations=max(iters) if iters else None,
+        metrics={k: s for k in keys if (s := summarize_series(hist.get(k, []))) is not None},
+        collapse_step=min((s.step for s in sigs), default=None),
+        signals=[f"{s.name}@{s.step}" for s in sorted(sigs, key=lambda s: (s.step, s.name))],
+        wall_s=(end - start) / 1000.0 if start and end else None,
+        tokens=float(sum(v for _, v in tokens)) if tokens else None,
+    )
+
+
+def _group_result(
+    name: str,
+    ms: Sequence[MemberResult],
+    histories: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    keys: Sequence[str],
+) -> GroupResult:
+    """A group's row over its members ``ms``: mean ± std over the finished ones."""
+    ok = [m for m in ms if m.status == "FINISHED"]
+    collapsed = [m for m in ok if m.collapse_step is not None]
+
+    def over_finished(field: str, key: str) -> Stat | None:
+        return Stat.of(getattr(m.metrics[key], field) for m in ok if key in m.metrics)
+
+    return GroupResult(
+        name=name,
+        members=[m.key for m in ms],
+        seeds=[m.seed for m in ms],
+        n_finished=len(ok),
+        n_failed=sum(m.status == "FAILED" for m in ms),
+        final={k: over_finished("final", k) for k in keys},
+        peak={k: over_finished("peak", k) for k in keys},
+        peak_step={k: over_finished("peak_step", k) for k in keys},
+        collapsed=len(collapsed),
+        collapse_step=Stat.of(m.collapse_step for m in collapsed),
+        wall_s=Stat.of(m.wall_s for m in ok),
+        tokens=Stat.of(m.tokens for m in ok),
+        curves=mean_curves([histories[m.key] for m in ok], [*keys, *CURVE_KEYS]),
     )
 
 

@@ -39,6 +39,7 @@ Like ``tracking.py``, this module imports ``mlflow`` lazily; only the Tracker ca
 from __future__ import annotations
 
 import hashlib
+import os
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,11 +49,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from ragen_core.tracking.rendering import row_info, turns_of
+from ragen_core.tracking.rendering import Turn, row_info, turns_of
 from ragen_core.trajectory import read_table
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mlflow.entities import Span, TraceInfo
+    from mlflow.entities import Assessment, Span, TraceInfo
     from mlflow.tracing.client import TracingClient
 
 #: The source of the feedback this module logs (MLflow ``AssessmentSource``: type CODE).
@@ -185,21 +186,8 @@ def build_trace(
     """The trace of one trajectory row (``read_table(...).to_pylist()``) of MLflow step ``step``: its
     info (metadata, tags, feedback) and its spans (root + one per turn); nothing is sent. The step is
     the caller's, not the row's ``iteration``: schema v1 files numbered that column differently."""
-    from mlflow.entities import (
-        Assessment,
-        AssessmentSource,
-        Feedback,
-        SpanType,
-        TraceInfo,
-        TraceLocation,
-        TraceState,
-    )
-    from mlflow.tracing.constant import (
-        TRACE_SCHEMA_VERSION,
-        TRACE_SCHEMA_VERSION_KEY,
-        TraceMetadataKey,
-        TraceTagKey,
-    )
+    from mlflow.entities import TraceInfo, TraceLocation, TraceState
+    from mlflow.tracing.constant import TraceTagKey
 
     split, k, tag = str(row["split"]), int(step), str(row["env_tag"])
     trace_id = trace_id_for(mlflow_run_id, split, k, int(row["env_id"]))
@@ -208,67 +196,100 @@ def build_trace(
     messages = [dict(m) for m in row["messages"] or []]
     start_ns = start_ms * _NS_PER_MS
     end_ns = start_ns + max(1, len(turns)) * _NS_PER_MS
-    root_id = _span_id(trace_id, -1)
-    success = bool(row["success"])
-
     last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    root_output = messages[last_assistant]["content"] if last_assistant is not None else None
+    root = _root_span(row, trace_id, info, messages, last_assistant, (start_ns, end_ns))
+    spans = [root, *(_turn_span(trace_id, _span_id(trace_id, -1), turn, start_ns) for turn in turns)]
+    first_user = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    trace_info = TraceInfo(
+        trace_id=trace_id,
+        trace_location=TraceLocation.from_experiment_id(experiment_id),
+        request_time=start_ms,
+        execution_duration=(end_ns - start_ns) // _NS_PER_MS,
+        state=TraceState.OK,
+        request_preview=first_user[:PREVIEW_CHARS],
+        response_preview=(root_output or "")[:PREVIEW_CHARS],
+        trace_metadata=_trace_metadata(row, k, mlflow_run_id),
+        tags={TraceTagKey.TRACE_NAME: f"{split} {tag} iter {k} group {int(row['group_id'])}"},
+        assessments=_feedback(row, info, group),
+    )
+    return trace_info, spans
+
+
+def _root_span(
+    row: Mapping[str, Any],
+    trace_id: str,
+    info: Mapping[str, Any],
+    messages: list[dict[str, Any]],
+    last_assistant: int | None,
+    times_ns: tuple[int, int],
+) -> Span:
+    """The episode's span: the conversation up to the last answer in, that answer out, the outcome
+    as attributes."""
+    from mlflow.entities import SpanType
+
     root_inputs = {"messages": messages[:last_assistant] if last_assistant is not None else messages}
     root_output = messages[last_assistant]["content"] if last_assistant is not None else None
     outcome = {
         "score": float(row["score"]),
         "reward": float(row["reward"]),
         "format_penalty": float(row["format_penalty"]),
-        "success": success,
+        "success": bool(row["success"]),
         "truncated": bool(row["truncated"]),
         "turns": int(row["turn_count"]),
         "end_reason": info.get("end_reason"),
         "num_actions": info.get("num_actions"),
     }
-    spans = [
-        _span(
-            trace_id,
-            root_id,
-            None,
-            f"episode {tag} #{int(row['env_id'])}",
-            SpanType.AGENT,
-            start_ns,
-            end_ns,
-            root_inputs,
-            root_output,
-            {f"ragen.{key}": value for key, value in outcome.items()},
+    return _span(
+        trace_id,
+        _span_id(trace_id, -1),
+        None,
+        f"episode {row['env_tag']} #{int(row['env_id'])}",
+        SpanType.AGENT,
+        *times_ns,
+        root_inputs,
+        root_output,
+        {f"ragen.{key}": value for key, value in outcome.items()},
+    )
+
+
+def _turn_span(trace_id: str, root_id: int, turn: Turn, start_ns: int) -> Span:
+    """One turn's span under the root: its prompt in, its response out, the env's reply as attributes."""
+    from mlflow.entities import SpanType
+
+    attrs: dict[str, Any] = {
+        "ragen.turn": turn.index + 1,
+        "ragen.actions": turn.actions,
+        "ragen.env_reply": turn.env_reply,
+        "ragen.reward": turn.reward,
+        "ragen.format_penalty": turn.format_penalty,
+        "ragen.format_ok": turn.format_penalty == 0.0,
+        "ragen.action_is_valid": turn.info.get("action_is_valid"),
+        "ragen.action_is_effective": turn.info.get("action_is_effective"),
+        "ragen.env_info": turn.info,
+    }
+    if turn.prompt is None:
+        attrs["ragen.prompt"] = (
+            "not stored: the context window (agent.max_context_window) cut this turn's prompt"
         )
-    ]
-    for turn in turns:
-        attrs: dict[str, Any] = {
-            "ragen.turn": turn.index + 1,
-            "ragen.actions": turn.actions,
-            "ragen.env_reply": turn.env_reply,
-            "ragen.reward": turn.reward,
-            "ragen.format_penalty": turn.format_penalty,
-            "ragen.format_ok": turn.format_penalty == 0.0,
-            "ragen.action_is_valid": turn.info.get("action_is_valid"),
-            "ragen.action_is_effective": turn.info.get("action_is_effective"),
-            "ragen.env_info": turn.info,
-        }
-        if turn.prompt is None:
-            attrs["ragen.prompt"] = (
-                "not stored: the context window (agent.max_context_window) cut this turn's prompt"
-            )
-        t0 = start_ns + turn.index * _NS_PER_MS
-        spans.append(
-            _span(
-                trace_id,
-                _span_id(trace_id, turn.index),
-                root_id,
-                f"turn {turn.index + 1}",
-                SpanType.CHAT_MODEL,
-                t0,
-                t0 + _NS_PER_MS,
-                {"messages": turn.prompt} if turn.prompt is not None else None,
-                turn.response,
-                attrs,
-            )
-        )
+    t0 = start_ns + turn.index * _NS_PER_MS
+    return _span(
+        trace_id,
+        _span_id(trace_id, turn.index),
+        root_id,
+        f"turn {turn.index + 1}",
+        SpanType.CHAT_MODEL,
+        t0,
+        t0 + _NS_PER_MS,
+        {"messages": turn.prompt} if turn.prompt is not None else None,
+        turn.response,
+        attrs,
+    )
+
+
+def _feedback(row: Mapping[str, Any], info: Mapping[str, Any], group: Group | None) -> list[Assessment]:
+    """The episode's assessments: score and success, and for train episodes the filter's verdict."""
+    from mlflow.entities import AssessmentSource, Feedback
 
     source = AssessmentSource(source_type="CODE", source_id=SOURCE_ID)
     feedback: list[Assessment] = [
@@ -278,7 +299,12 @@ def build_trace(
             source=source,
             rationale=f"reward {float(row['reward']):+.4g}, format penalty {float(row['format_penalty']):+.4g}",
         ),
-        Feedback(name="success", value=success, source=source, rationale=f"end: {info.get('end_reason')}"),
+        Feedback(
+            name="success",
+            value=bool(row["success"]),
+            source=source,
+            rationale=f"end: {info.get('end_reason')}",
+        ),
     ]
     if group is not None:
         feedback += [
@@ -291,33 +317,26 @@ def build_trace(
             ),
             Feedback(name="group_reward_std", value=group.score_std, source=source),
         ]
-    metadata = {
+    return feedback
+
+
+def _trace_metadata(row: Mapping[str, Any], step: int, mlflow_run_id: str) -> dict[str, str]:
+    """The trace's metadata: MLflow's schema, source run and session, and ours (searchable keys)."""
+    from mlflow.tracing.constant import TRACE_SCHEMA_VERSION, TRACE_SCHEMA_VERSION_KEY, TraceMetadataKey
+
+    return {
         TRACE_SCHEMA_VERSION_KEY: str(TRACE_SCHEMA_VERSION),
         TraceMetadataKey.SOURCE_RUN: mlflow_run_id,
-        TraceMetadataKey.TRACE_SESSION: session_id(row, k),
+        TraceMetadataKey.TRACE_SESSION: session_id(row, step),
         RUN_KEY: str(row["run_id"]),
-        ITERATION_KEY: str(k),
-        SPLIT_KEY: split,
-        TAG_KEY: tag,
+        ITERATION_KEY: str(step),
+        SPLIT_KEY: str(row["split"]),
+        TAG_KEY: str(row["env_tag"]),
         SEED_KEY: str(int(row["seed"])),
         GROUP_KEY: str(int(row["group_id"])),
         ENV_KEY: str(int(row["env_id"])),
-        SUCCESS_KEY: "true" if success else "false",
+        SUCCESS_KEY: "true" if bool(row["success"]) else "false",
     }
-    first_user = next((m["content"] for m in messages if m.get("role") == "user"), "")
-    trace_info = TraceInfo(
-        trace_id=trace_id,
-        trace_location=TraceLocation.from_experiment_id(experiment_id),
-        request_time=start_ms,
-        execution_duration=(end_ns - start_ns) // _NS_PER_MS,
-        state=TraceState.OK,
-        request_preview=first_user[:PREVIEW_CHARS],
-        response_preview=(root_output or "")[:PREVIEW_CHARS],
-        trace_metadata=metadata,
-        tags={TraceTagKey.TRACE_NAME: f"{split} {tag} iter {k} group {int(row['group_id'])}"},
-        assessments=feedback,
-    )
-    return trace_info, spans
 
 
 def _span(
@@ -368,7 +387,7 @@ Trace = tuple["TraceInfo", list["Span"]]
 
 
 def traces_of_file(
-    path: str | Path,
+    path: str | os.PathLike[str],
     step: int,
     *,
     experiment_id: str,

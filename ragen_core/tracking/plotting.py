@@ -138,20 +138,8 @@ def render_plots(
     tag, validation and training), ``in_group_std.png``, ``entropy.png``, ``grad_norm.png``,
     ``response_length.png`` and ``overview.png`` (all panels). ``markers`` (name -> step) draw
     vertical lines, e.g. Echo-Trap signal onsets. Panels without data are left out."""
-    hist = {k: v for k, v in history.items() if v}
     markers = dict(markers or {})
-    panels: list[tuple[str, str, dict[str, Series]]] = []
-    for split, label in (("val-env", "Validation success"), ("train", "Training success")):
-        ser = {
-            m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split
-        }
-        if ser:
-            panels.append((f"success_{split}", label, ser))
-    for stem, label, keys in RUN_PANELS:
-        ser = {k: hist[k] for k in keys if k in hist}
-        if ser:
-            panels.append((stem, label, ser))
-
+    panels = _run_panels({k: v for k, v in history.items() if v})
     pngs = _Pngs(out_dir)
     success = [p for p in panels if p[0].startswith("success_")]
     if success:
@@ -182,6 +170,23 @@ def render_plots(
             fig.suptitle(title)
         pngs.save(fig, "overview.png", dpi=110)
     return pngs.written
+
+
+def _run_panels(hist: Mapping[str, Series]) -> list[tuple[str, str, dict[str, Series]]]:
+    """``(file stem, title, {legend label: points})`` of each panel with data: success per env tag
+    (validation, then training), then ``RUN_PANELS``."""
+    panels: list[tuple[str, str, dict[str, Series]]] = []
+    for split, label in (("val-env", "Validation success"), ("train", "Training success")):
+        ser = {
+            m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split
+        }
+        if ser:
+            panels.append((f"success_{split}", label, ser))
+    for stem, label, keys in RUN_PANELS:
+        ser = {k: hist[k] for k in keys if k in hist}
+        if ser:
+            panels.append((stem, label, ser))
+    return panels
 
 
 #: one group's curves: (legend label, {key: [(step, mean, std, n), ...]})

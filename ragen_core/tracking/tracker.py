@@ -230,8 +230,6 @@ class Tracker:
         """Create the run (or resume ``run_id``: same id, status back to RUNNING) and log ``params``
         (nested mappings are flattened) and ``tags``. ``parent_run_id`` nests it under a sweep's
         parent run. Returns the run id."""
-        from mlflow.entities import Param
-
         if self.run_id is not None:
             raise RuntimeError(f"Tracker already holds run {self.run_id}; call end() first")
         self.offline = None  # a new start tries the store again (and fails fast if it is still down)
@@ -247,42 +245,15 @@ class Tracker:
                 tags[PARENT_TAG] = parent_run_id
             existing: dict[str, str] = {}
             if run_id is not None:
-                try:
-                    run = self.client.get_run(run_id)
-                except Exception as e:
-                    raise TrackingError(
-                        f"cannot resume MLflow run {run_id}: not found in {self.tracking_uri} ({e}); "
-                        "start a new run (no run id) or point tracking_uri at the store that holds it"
-                    ) from None
-                existing = dict(run.data.params)
-                self.client.update_run(run_id, status="RUNNING")
-                self._logged_steps = parse_steps(run.data.tags.get(LOGGED_STEPS_TAG, "")) | {
-                    int(m.step) for m in self.client.get_metric_history(run_id, ITERATION_KEY)
-                }
-                t = run.data.tags.get(TABLE_STEP_TAG)
-                self._table_step = int(t) if t is not None else None
-                self.experiment_id, self._resumed = run.info.experiment_id, True
+                existing = self._resume(run_id)
             else:
-                exp_id = self._experiment_id()
-                run = self.client.create_run(exp_id, run_name=run_name)
-                run_id = run.info.run_id
-                self._logged_steps = set()
-                self._table_step = None
-                self.experiment_id, self._resumed = exp_id, False
+                run_id = self._create(run_name)
         except TrackingError:
             raise
         except Exception as e:
             raise self._store_error(f"start run {run_name!r}", e) from e
         self.run_id = run_id
-
-        flat = {metric_key(k): _cut(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
-        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
-        new = [Param(k, v) for k, v in flat.items() if k not in existing]
-        try:
-            for chunk in _chunks(new, MAX_PARAMS_PER_BATCH):
-                self.client.log_batch(run_id, params=chunk, synchronous=True)
-        except Exception as e:
-            raise self._store_error(f"log params of run {run_id}", e) from e
+        changed = self._log_new_params(run_id, params, existing)
         if changed:
             _log.warning(
                 "resumed run %s: params changed since it started (kept the first values): %s", run_id, changed
@@ -293,6 +264,51 @@ class Tracker:
         except Exception as e:
             raise self._store_error(f"set tags on run {run_id}", e) from e
         return run_id
+
+    def _resume(self, run_id: str) -> dict[str, str]:
+        """Set run ``run_id`` RUNNING again and read what it logged (steps, table step); its params."""
+        try:
+            run = self.client.get_run(run_id)
+        except Exception as e:
+            raise TrackingError(
+                f"cannot resume MLflow run {run_id}: not found in {self.tracking_uri} ({e}); "
+                "start a new run (no run id) or point tracking_uri at the store that holds it"
+            ) from None
+        existing = dict(run.data.params)
+        self.client.update_run(run_id, status="RUNNING")
+        self._logged_steps = parse_steps(run.data.tags.get(LOGGED_STEPS_TAG, "")) | {
+            int(m.step) for m in self.client.get_metric_history(run_id, ITERATION_KEY)
+        }
+        t = run.data.tags.get(TABLE_STEP_TAG)
+        self._table_step = int(t) if t is not None else None
+        self.experiment_id, self._resumed = run.info.experiment_id, True
+        return existing
+
+    def _create(self, run_name: str) -> str:
+        """A new run in the experiment (made if missing); its id."""
+        exp_id = self._experiment_id()
+        run = self.client.create_run(exp_id, run_name=run_name)
+        self._logged_steps = set()
+        self._table_step = None
+        self.experiment_id, self._resumed = exp_id, False
+        return str(run.info.run_id)
+
+    def _log_new_params(
+        self, run_id: str, params: Mapping[str, Any], existing: Mapping[str, str]
+    ) -> list[str]:
+        """Log the (flattened) ``params`` the run does not have yet; the keys whose value differs from the
+        one it has (MLflow keeps a param's first value)."""
+        from mlflow.entities import Param
+
+        flat = {metric_key(k): _cut(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
+        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
+        new = [Param(k, v) for k, v in flat.items() if k not in existing]
+        try:
+            for chunk in _chunks(new, MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(run_id, params=chunk, synchronous=True)
+        except Exception as e:
+            raise self._store_error(f"log params of run {run_id}", e) from e
+        return changed
 
     def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
         """The run's page in the MLflow UI: on the tracking server itself, or for a local store on the UI

@@ -14,16 +14,8 @@ import numpy as np
 import pytest
 
 import envs
-from envs.frozen_lake import (
-    ACTIONS,
-    FrozenLakeEnv,
-    clear_caches,
-    generate_map,
-    has_path,
-    optimal_policy,
-    policy_action,
-    solve,
-)
+from envs.frozen_lake import ACTIONS, FrozenLakeEnv, optimal_policy, policy_action, solve
+from envs.frozen_lake_maps import clear_caches, generate_map, has_path
 
 BUDGET = 10
 

@@ -103,7 +103,8 @@ def real(tmp_path_factory) -> Path:
     """Trajectories from run_rollouts with a tiny model: 2 groups x 2, 2 turns, few tokens."""
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
     from ragen_core.protocol import ProtocolConfig
-    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.engine import SamplingParams
+    from ragen_core.rollout.hf_engine import HFEngine
     from ragen_core.rollout.runner import run_rollouts
     from tests.tiny_policy import smallest_policy
 

@@ -1,7 +1,7 @@
 """``ragen model import``: its output lines, and bad input as one clear line and exit code 1.
 
 The conversion itself is replaced by a tiny model here (the real SmolLM2 import is
-tests/ragen_core/test_model_import.py).
+tests/ragen_core/models/test_model_import.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def invoke(state, *args: str):
 
 
 def tiny_gguf(path: Path, arch: str = "llama") -> Path:
-    """tests.ragen_core.test_model_import's small GGUF file, with a chat template."""
-    from tests.ragen_core.test_model_import import tiny_gguf as make
+    """tests.ragen_core.models.test_model_import's small GGUF file, with a chat template."""
+    from tests.ragen_core.models.test_model_import import tiny_gguf as make
 
     return make(path, arch, chat_template="{{ x }}")
 

@@ -1,6 +1,6 @@
 """The sweep flow: resume logic, bounded concurrency, and one real tiny sweep end to end.
 
-The sweep file, its expansion and the report on their own: tests/ragen_core/test_sweep_spec.py and
+The sweep file, its expansion and the report on their own: tests/ragen_core/sweep/test_sweep_spec.py and
 test_sweep_report.py."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking.tracker import PARENT_TAG, Tracker
 from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
-from tests.ragen_core.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep
+from tests.ragen_core.sweep.test_sweep_spec import BANDIT, IMPOSSIBLE, write_sweep
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_state")]

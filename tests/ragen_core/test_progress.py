@@ -56,7 +56,8 @@ def test_long_rollouts_report_progress_and_short_ones_stay_quiet(
     from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
     from ragen_core.protocol import ProtocolConfig
     from ragen_core.rollout import runner
-    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.engine import SamplingParams
+    from ragen_core.rollout.hf_engine import HFEngine
     from tests.tiny_policy import smallest_policy
 
     model, tok = smallest_policy()

@@ -75,7 +75,7 @@ def test_data_parallel_rendezvous_listens_on_loopback(tmp_path: Path) -> None:
     import ray
 
     from ragen_core.learner.actors import LearnerGroup, init_ray
-    from tests.ragen_core.test_learner import make_cfg, tiny_policy
+    from tests.ragen_core.learner.test_learner import make_cfg, tiny_policy
 
     if ray.is_initialized():
         ray.shutdown()

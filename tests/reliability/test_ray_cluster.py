@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from ragen_core.learner.actors import LearnerGroup, LearnerPlacementError, init_ray
-from tests.ragen_core.test_learner import make_cfg
+from tests.ragen_core.learner.test_learner import make_cfg
 from tests.reliability import procs
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not

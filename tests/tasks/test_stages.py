@@ -12,7 +12,7 @@ from ragen_core.config import load_config
 from ragen_core.run.run_dir import RunDir, create_run
 from ragen_core.run.session import Session
 from ragen_core.run.stages import init_policy_stage
-from tests.ragen_core.test_stages import STARTUP_S, TINY
+from tests.ragen_core.run.test_stages import STARTUP_S, TINY
 
 #: Prefect's test server and tiny training iterations: `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow

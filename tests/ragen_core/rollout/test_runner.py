@@ -13,11 +13,12 @@ from ragen_core.config.model import ModelConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.models.policies import build_tiny_policy
 from ragen_core.protocol import ProtocolConfig
-from ragen_core.rollout.engine import HFEngine, PromptTooLongError, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import PromptTooLongError, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import ChatTemplateError, run_rollouts
 from ragen_core.trajectory import read_trajectories, write_trajectories
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ModelConfig(
     hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, corpus_seeds=4, seed=3
 )
@@ -129,7 +130,7 @@ def test_context_window_trains_only_the_last_window(policy):
 def test_same_seed_same_parquet_bytes_in_two_processes(policy, tmp_path):
     here = write_trajectories(sokoban_rollouts(policy, n_groups=4, group_size=2), tmp_path / "a.parquet")
     code = (
-        "import sys; from tests.ragen_core.test_runner import TINY, sokoban_rollouts;"
+        "import sys; from tests.ragen_core.rollout.test_runner import TINY, sokoban_rollouts;"
         "from ragen_core.models.policies import build_tiny_policy;"
         "from ragen_core.trajectory import write_trajectories;"
         "write_trajectories(sokoban_rollouts(build_tiny_policy(TINY), n_groups=4, group_size=2), sys.argv[1])"

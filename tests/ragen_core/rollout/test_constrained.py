@@ -16,7 +16,8 @@ from ragen_core.learner.batch import to_token_batch
 from ragen_core.learner.update import Learner
 from ragen_core.protocol import ProtocolConfig, parse_response
 from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint, ConstraintError
-from ragen_core.rollout.engine import HFEngine, SamplingParams
+from ragen_core.rollout.engine import SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
 from tests.tiny_policy import smallest_policy
@@ -92,7 +93,7 @@ def test_config_refuses_constrained_decoding_where_it_cannot_work():
     with pytest.raises(ConfigError, match=r"Countdown has free-text answers.*agent\.action_decoding=free"):
         load_config(None, ["agent.action_decoding=constrained", "train.tags=[Countdown]"])
     assert load_config(None, ["agent.action_decoding=constrained"]).agent.action_decoding == "constrained"
-    # both engines implement it (the vllm one as a logits processor: tests/ragen_core/test_vllm_engine.py)
+    # both engines implement it (the vllm one as a logits processor: tests/ragen_core/rollout/test_vllm_engine.py)
     cfg = load_config(None, ["agent.action_decoding=constrained", "rollout.engine=vllm"])
     assert cfg.agent.action_decoding == "constrained" and cfg.rollout.engine == "vllm"
 

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ragen_core.config.model import ModelConfig
 from ragen_core.models.policies import build_tiny_model, train_tokenizer
 from ragen_core.rollout import Generation, HFEngine, PromptTooLongError, SamplingParams
-from ragen_core.rollout.engine import filtered_probs, sample_inverse_cdf
+from ragen_core.rollout.sampling import filtered_probs, sample_inverse_cdf
 
 CORPUS = [
     "You are solving the Sokoban puzzle. Push all boxes to targets. Your available actions are: Up, Down, Left, Right",

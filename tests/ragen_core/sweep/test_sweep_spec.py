@@ -10,7 +10,7 @@ import yaml
 
 from ragen_core.sweep.spec import SweepConfig, SweepError, expand, load_sweep, validate_members
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BANDIT = ROOT / "configs" / "bandit-tiny.yaml"
 IMPOSSIBLE = "learner.optim.mini_batch_size=999"  # larger than any filtered batch of bandit-tiny
 

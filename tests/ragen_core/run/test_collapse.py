@@ -144,7 +144,7 @@ def test_collapse_due_and_off_switch() -> None:
 def test_learner_cross_logprobs_equal_a_plain_forward_pass() -> None:
     from ragen_core.config.learner import LearnerConfig, OptimConfig
     from ragen_core.learner.update import Learner
-    from tests.ragen_core.test_learner import tiny_policy
+    from tests.ragen_core.learner.test_learner import tiny_policy
 
     learner = Learner(tiny_policy(), LearnerConfig(optim=OptimConfig(micro_batch_size=3, mini_batch_size=4)))
     before = {k: v.clone() for k, v in learner.policy.state_dict().items()}

@@ -12,7 +12,7 @@ import torch
 from ragen_core.config.learner import RewardNormalizationConfig
 from ragen_core.learner.batch import BadBatchError, TokenBatch
 from ragen_core.learner.update import Learner
-from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
+from tests.ragen_core.learner.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,9 +15,9 @@ import torch
 from ragen_core.config.learner import LearnerConfig
 from ragen_core.learner.checkpoint import CheckpointError, manifest_digest
 from ragen_core.learner.update import Learner
-from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
+from tests.ragen_core.learner.test_learner import make_cfg, max_diff, random_batch, tiny_policy, weights
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 #: tiny models: one torch thread (tests/conftest.py)
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 _RESUME_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
-from tests.ragen_core.test_checkpoint import resume_and_step
+from tests.ragen_core.learner.test_checkpoint import resume_and_step
 resume_and_step(sys.argv[1], sys.argv[2])
 """
 

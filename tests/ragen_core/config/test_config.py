@@ -434,7 +434,7 @@ def test_the_config_loads_no_runtime() -> None:
         "import sys, ragen_core.config as c; c.load_config('configs/bandit-tiny.yaml'); "
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"importing ragen_core.config loaded {out.stdout.strip()}"
 

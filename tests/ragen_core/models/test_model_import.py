@@ -21,14 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from ragen_core.models import importing
-from ragen_core.models.importing import (
-    SOURCE_FILE,
-    ModelImportError,
-    default_name,
-    import_gguf,
-    model_provenance,
-)
+from ragen_core.models import gguf_files, importing
+from ragen_core.models.gguf_files import ModelImportError, default_name
+from ragen_core.models.importing import import_gguf
+from ragen_core.models.provenance import SOURCE_FILE, model_provenance
 from ragen_core.state_folder import models_dir
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -159,7 +155,8 @@ def test_rollout_and_learner_step_with_the_imported_model(imported, policy):
     from ragen_core.learner.batch import to_token_batch
     from ragen_core.learner.update import Learner
     from ragen_core.protocol import ProtocolConfig
-    from ragen_core.rollout.engine import HFEngine, SamplingParams
+    from ragen_core.rollout.engine import SamplingParams
+    from ragen_core.rollout.hf_engine import HFEngine
     from ragen_core.rollout.runner import run_rollouts
     from ragen_core.trajectory import to_table
 
@@ -341,16 +338,16 @@ def test_tensor_types_of_the_gguf_package_pass_the_header_check(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    info = importing.check_gguf(tmp_path / "q5.gguf")
+    info = gguf_files.check_gguf(tmp_path / "q5.gguf")
     assert (info.architecture, info.n_tensors, info.data_bytes) == ("llama", 1, 176)
     data = (tmp_path / "q5.gguf").read_bytes()
     with pytest.raises(ModelImportError, match="is corrupt or truncated"):
-        importing.check_gguf(write(tmp_path / "q5-cut.gguf", data[:-50]))
+        gguf_files.check_gguf(write(tmp_path / "q5-cut.gguf", data[:-50]))
 
 
 def test_unsupported_architecture_error_of_transformers_is_wrapped(tmp_path, monkeypatch):
     """Past our header check, transformers' own refusal (a ValueError) becomes the same clear error."""
-    monkeypatch.setattr(importing, "_architecture_supported", lambda arch: True)
+    monkeypatch.setattr(gguf_files, "_architecture_supported", lambda arch: True)
     source = tiny_gguf(tmp_path / "m.gguf", "madeupnet", "{{ x }}")
     with pytest.raises(ModelImportError, match=r"architecture 'madeupnet' is not one transformers"):
         import_gguf(str(source), state_dir=tmp_path / "state")
@@ -469,7 +466,7 @@ def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy
     are the learner's float32 recomputation within 1e-3."""
     from ragen_core.rollout import SamplingParams
     from ragen_core.rollout.vllm_engine import engine_from_policy
-    from tests.ragen_core.test_vllm_engine import _require_vllm, max_gap
+    from tests.ragen_core.rollout.test_vllm_engine import _require_vllm, max_gap
 
     _require_vllm()
     model, tok = policy

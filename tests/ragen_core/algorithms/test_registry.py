@@ -19,11 +19,11 @@ from ragen_core.algorithms import (
 from ragen_core.algorithms.registry import markdown_table, vanilla_policy_loss
 from ragen_core.config import ConfigError, load_config
 from ragen_core.learner.update import Learner
-from tests.ragen_core.test_learner import make_cfg, random_batch, tiny_policy
+from tests.ragen_core.learner.test_learner import make_cfg, random_batch, tiny_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["train.n_groups=[8]", "train.group_size=4", "learner.optim.mini_batch_size=4"]
 
 

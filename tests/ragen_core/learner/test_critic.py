@@ -6,7 +6,7 @@ import torch
 
 from ragen_core.config.learner import OptimConfig
 from ragen_core.learner.critic import backbone, build_critic
-from tests.ragen_core.test_learner import random_batch, tiny_policy
+from tests.ragen_core.learner.test_learner import random_batch, tiny_policy
 
 
 def test_separate_critic_copies_the_policy_body():

@@ -12,7 +12,7 @@ from transformers import Qwen2ForCausalLM
 from ragen_core.learner.actors import LearnerGroup, init_ray
 from ragen_core.learner.batch import BadBatchError
 from ragen_core.learner.update import Learner
-from tests.ragen_core.test_learner import make_cfg, max_diff, random_batch, tiny_policy
+from tests.ragen_core.learner.test_learner import make_cfg, max_diff, random_batch, tiny_policy
 
 # Two epochs x two mini-batches (4 optimiser steps), one sequence per micro-batch, every loss term on.
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not

@@ -25,9 +25,10 @@ from ragen_core.learner.sft import (
 )
 from ragen_core.models.policies import build_tiny_policy, load_policy
 from ragen_core.protocol import ProtocolConfig, forced_prefix, parse_response
-from ragen_core.rollout.engine import Generation, HFEngine, RolloutEngine, SamplingParams
+from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
-from tests.ragen_core.test_runner import spans
+from tests.ragen_core.rollout.test_runner import spans
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
 pytestmark = pytest.mark.slow

@@ -273,7 +273,7 @@ def test_constrained_masks_on_vllm_are_the_hf_engines(engine, policy, prompts):
     unconstrained prompts in the same batch; the log-probs are the learner's under those masks, and
     greedy decoding is the argmax inside the allowed ids."""
     from ragen_core.rollout.constrained import ActionGrammar, AnswerConstraint
-    from ragen_core.rollout.engine import restrict_logits
+    from ragen_core.rollout.sampling import restrict_logits
 
     _, model, tok = policy
     g = ActionGrammar(tok, ACTIONS, "||", 3, tok.convert_tokens_to_ids("<|im_end|>"))
