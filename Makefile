@@ -75,8 +75,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Strict types on ragen_core/algorithms and the learner (learner/update.py, config/learner.py,
-# learner/critic.py, learner/checkpoint.py; config: [tool.mypy] in pyproject.toml).
+# Types of ragen_core, tasks, flows and envs; strict on ragen_core/algorithms and the learner's update
+# modules (config: [tool.mypy] in pyproject.toml).
 typecheck: $(STAMP)
 	$(BIN)/mypy
 

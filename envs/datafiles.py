@@ -19,7 +19,8 @@ def read_rows(path: str | Path, what: str, columns: list[str] | None = None) -> 
             import pyarrow.parquet as pq
         except ImportError as exc:  # pragma: no cover - pyarrow is a core dependency
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from exc
-        return pq.read_table(path, columns=columns).to_pylist()
+        rows: list[dict[str, Any]] = pq.read_table(path, columns=columns).to_pylist()
+        return rows
     if path.suffix in (".jsonl", ".json"):
         with path.open(encoding="utf-8") as fh:
             return [json.loads(line) for line in fh if line.strip()]

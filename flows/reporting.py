@@ -15,17 +15,20 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
 from ragen_core.monitor import Signal
 
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
 #: The prefix of the Prefect events an Echo-Trap signal emits: ``ragen.echo-trap.entropy-collapse`` ...
 ECHO_TRAP_EVENT = "ragen.echo-trap"
 
 
-def progress_logger() -> logging.LoggerAdapter:
+def progress_logger() -> logging.LoggerAdapter[logging.Logger]:
     """The current flow or task run's logger, one level below it and at INFO; outside a run (a flow's
     ``.fn`` called directly) the ``ragen.flows`` logger."""
     from prefect.exceptions import MissingContextError
@@ -34,6 +37,8 @@ def progress_logger() -> logging.LoggerAdapter:
         base = get_run_logger()
     except MissingContextError:
         return logging.LoggerAdapter(logging.getLogger("ragen.flows"), {})
+    if isinstance(base, logging.Logger):  # Prefect's stand-in while its run loggers are disabled
+        return logging.LoggerAdapter(base, {})
     child = base.logger.getChild("ragen")
     child.setLevel(logging.INFO)
     return type(base)(child, base.extra)
@@ -44,7 +49,7 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")
 
 
-def _in_flow_run() -> Any:
+def _in_flow_run() -> FlowRun | None:
     """The current flow run, or None outside one (a flow's ``.fn`` called directly, a plain test)."""
     from prefect.context import FlowRunContext
 

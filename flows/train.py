@@ -17,7 +17,7 @@ from typing import Any, Literal
 import prefect.runtime
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.context import get_run_context
+from prefect.context import FlowRunContext, get_run_context
 from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
@@ -177,8 +177,10 @@ def _train(request: TrainRequest) -> dict[str, Any]:
         Training(run, cfg, tracker, log, progress_logger(), PrefectObserver(run.root.name)) as training,
     ):
         name_flow_run(f"train/{training.run_id}", log)
+        context = get_run_context()
+        assert isinstance(context, FlowRunContext) and context.flow_run is not None  # this flow's run
         mlflow_run = training.start_tracking(
-            request.parent_run_id, {"prefect.flow_run_id": str(get_run_context().flow_run.id)}
+            request.parent_run_id, {"prefect.flow_run_id": str(context.flow_run.id)}
         )
         link_mlflow_run(training.run_id, tracker.run_url(mlflow_run), mlflow_run)
         warm_start_task(str(run.root))

@@ -65,7 +65,7 @@ SignalName = Literal[
     "low_val_success",
     "val_success_drop",
 ]
-SIGNAL_NAMES: tuple[str, ...] = get_args(SignalName)
+SIGNAL_NAMES: tuple[SignalName, ...] = get_args(SignalName)
 _STATE_VERSION = 1
 
 

@@ -76,7 +76,8 @@ class IterationClock:
     ETA of the rest from their mean."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.times = total, []
+        self.total = total
+        self.times: list[float] = []
         self._t0 = time.perf_counter()
 
     def restart(self) -> None:

@@ -116,8 +116,11 @@ class ProtocolConfig(BaseModel):
 
 
 class _SpecLike(Protocol):
-    env_instruction: str
-    max_actions_per_traj: int
+    # read-only: the catalogue's EnvSpec is a frozen dataclass
+    @property
+    def env_instruction(self) -> str: ...
+    @property
+    def max_actions_per_traj(self) -> int: ...
 
 
 class _EnvLike(Protocol):

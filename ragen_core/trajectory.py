@@ -265,7 +265,7 @@ def read_table(path: str | os.PathLike[str]) -> pa.Table:
 
 def schema_version(path: str | os.PathLike[str]) -> str:
     """The trajectory schema version a (readable) file was written with."""
-    metadata = pq.read_schema(path).metadata or {}
+    metadata: dict[bytes, bytes] = pq.read_schema(path).metadata or {}
     return metadata.get(SCHEMA_VERSION_KEY, b"").decode()
 
 

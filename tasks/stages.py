@@ -13,15 +13,18 @@ trains).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefect import task
+from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 
 from ragen_core.errors import ray_actor_lost
 from ragen_core.run import stages
 from ragen_core.run.run_dir import RunDir
 from ragen_core.run.session import Session
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State, TaskRun
 
 _SESSIONS: dict[str, Session] = {}
 _ROLLOUTS_JUDGED: dict[str, Callable[[int], None]] = {}
@@ -53,7 +56,7 @@ def drop_session(run: RunDir) -> Session | None:
     return _SESSIONS.pop(key, None)
 
 
-def _ray_actor_lost(task: Any, task_run: Any, state: Any) -> bool:
+def _ray_actor_lost(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Retry only when a Ray actor or worker died (a retry can help), never on a config error."""
     try:
         state.result()
@@ -62,11 +65,11 @@ def _ray_actor_lost(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-#: Stage tasks: no cache, no stored result (see the module docstring).
-STAGE = {"cache_policy": NO_CACHE, "persist_result": False}
-
-
-@task(name="rollout", retries=1, retry_condition_fn=_ray_actor_lost, **STAGE)
+# Every stage task: cache_policy=NO_CACHE, persist_result=False (no cache, no stored result: see the
+# module docstring).
+@task(
+    name="rollout", retries=1, retry_condition_fn=_ray_actor_lost, cache_policy=NO_CACHE, persist_result=False
+)
 def rollout_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)
@@ -74,7 +77,7 @@ def rollout_task(run_root: str, k: int) -> dict[str, Any]:
     return {"path": str(path), "metrics": metrics}
 
 
-@task(name="filter", **STAGE)
+@task(name="filter", cache_policy=NO_CACHE, persist_result=False)
 def filter_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
     kept, metrics = stages.filter_stage(session_for(run).cfg, run, k)
@@ -84,7 +87,9 @@ def filter_task(run_root: str, k: int) -> dict[str, Any]:
     return {"kept": kept, "metrics": metrics}
 
 
-@task(name="learn", retries=1, retry_condition_fn=_ray_actor_lost, **STAGE)
+@task(
+    name="learn", retries=1, retry_condition_fn=_ray_actor_lost, cache_policy=NO_CACHE, persist_result=False
+)
 def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)
@@ -92,7 +97,13 @@ def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
     return {"path": str(run.checkpoint(k)), "metrics": metrics}
 
 
-@task(name="evaluate", retries=1, retry_condition_fn=_ray_actor_lost, **STAGE)
+@task(
+    name="evaluate",
+    retries=1,
+    retry_condition_fn=_ray_actor_lost,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
 def evaluate_task(run_root: str, step: int) -> dict[str, Any]:
     run = RunDir(run_root)
     session = session_for(run)

@@ -28,10 +28,10 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 import ray
 import torch
@@ -43,14 +43,24 @@ from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.update import Learner
 from ragen_core.state_folder import state_dir
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
 __all__ = [
+    "ActorMethods",
     "LearnerActor",
     "LearnerGroup",
+    "LearnerHandle",
     "LearnerPlacementError",
     "LearnerWorker",
     "RayAddressError",
+    "RemoteMethod",
+    "alive_nodes",
     "init_ray",
+    "kill_actor",
     "local_cluster_cpus",
+    "node_ip_address",
     "ray_address_problem",
     "reserve_learners",
 ]
@@ -68,7 +78,58 @@ RAY_ENV = {
     "SPT_NOENV": "1",
 }
 
-ModelFactory = Callable[[], torch.nn.Module] | str | os.PathLike
+ModelFactory = Callable[[], torch.nn.Module] | str | os.PathLike[str]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class RemoteMethod(Protocol[_P, _R]):
+    """An actor's method as its caller sees it: ``.remote(...)`` queues the call and returns the
+    reference of its result (an argument may be a reference too: Ray passes the object)."""
+
+    def remote(self, *args: _P.args, **kwargs: _P.kwargs) -> ray.ObjectRef[_R]: ...
+
+
+class ActorMethods(Protocol):
+    """A handle of one of this project's actors. Ray types an actor handle's methods as ``Never`` (it
+    looks them up at run time), so a handle is cast, where its actor starts, to a protocol that names
+    the methods its caller uses; each mirrors its worker class."""
+
+    close: RemoteMethod[[], None]
+
+
+class LearnerHandle(ActorMethods, Protocol):
+    """A ``LearnerActor``: the methods of ``LearnerWorker`` that ``LearnerGroup`` calls."""
+
+    rendezvous_address: RemoteMethod[[], tuple[str, int]]
+    init_process_group: RemoteMethod[[str, int, str], None]
+    build: RemoteMethod[[], int]
+    step: RemoteMethod[
+        [TokenBatch | ray.ObjectRef[TokenBatch], torch.Tensor | None, float, bool], dict[str, float]
+    ]
+    get_weights: RemoteMethod[[], dict[str, torch.Tensor]]
+    cross_logprobs: RemoteMethod[[Sequence[Sequence[int]], Sequence[Sequence[int]]], torch.Tensor]
+    save_checkpoint: RemoteMethod[[str, int, dict[str, Any] | None], str | None]
+    load_checkpoint: RemoteMethod[[str], dict[str, Any]]
+
+
+def kill_actor(actor: ActorMethods) -> None:
+    """``ray.kill`` of a handle typed by one of the protocols above (Ray's own type for it is
+    ``ActorHandle``)."""
+    ray.kill(cast("ActorHandle[Any]", actor))
+
+
+def node_ip_address() -> str:
+    """This node's address in the Ray cluster (or this machine's, outside one)."""
+    address: str = ray.util.get_node_ip_address()
+    return address
+
+
+def alive_nodes() -> list[dict[str, Any]]:
+    """The Ray cluster's live nodes as ``ray.nodes()`` describes them (``Resources``, ``NodeManagerAddress``)."""
+    nodes: list[dict[str, Any]] = ray.nodes()
+    return [n for n in nodes if n.get("Alive")]
 
 
 class RayAddressError(RagenError, RuntimeError):
@@ -131,12 +192,13 @@ def init_ray(
     if not ray.is_initialized():
         runtime_env = {"env_vars": {**RAY_ENV, **(env_vars or {})}}
         address = address or os.environ.get("RAY_ADDRESS") or None
-        common = {"runtime_env": runtime_env, "logging_level": logging.WARNING, "log_to_driver": True}
         if address:
             problem = ray_address_problem(address)
             if problem:
                 raise RayAddressError(problem)
-            ray.init(address=address, **common)
+            ray.init(
+                address=address, runtime_env=runtime_env, logging_level=logging.WARNING, log_to_driver=True
+            )
         else:
             if num_cpus is None:
                 num_cpus = local_cluster_cpus()
@@ -151,16 +213,19 @@ def init_ray(
                     num_gpus=num_gpus,
                     object_store_memory=object_store_memory,
                     include_dashboard=False,
-                    **common,
+                    runtime_env=runtime_env,
+                    logging_level=logging.WARNING,
+                    log_to_driver=True,
                 )
-            node_ip = ray.util.get_node_ip_address()
+            node_ip = node_ip_address()
             if not ipaddress.ip_address(node_ip).is_loopback:
                 ray.shutdown()
                 raise RuntimeError(
                     f"the local Ray cluster came up on {node_ip}, not on 127.0.0.1: this Ray "
                     f"version ({ray.__version__}) needs a new way to keep it on loopback"
                 )
-    return ray.cluster_resources()
+    resources: dict[str, Any] = ray.cluster_resources()
+    return resources
 
 
 @contextlib.contextmanager
@@ -202,7 +267,12 @@ def _token_auth() -> None:
             f.write(secrets.token_hex(32))
     os.environ["RAY_AUTH_MODE"] = "token"
     try:
-        from ray._raylet import AuthenticationMode, Config, get_authentication_mode
+        # not in Ray's _raylet.pyi stub; a Ray without them takes the except branch
+        from ray._raylet import (  # type: ignore[attr-defined]
+            AuthenticationMode,
+            Config,
+            get_authentication_mode,
+        )
 
         Config.initialize("")
         on = get_authentication_mode() == AuthenticationMode.TOKEN
@@ -215,7 +285,7 @@ def _token_auth() -> None:
         )
 
 
-def _get_all(refs: list[Any]) -> list[Any]:
+def _get_all(refs: list[ray.ObjectRef[_R]]) -> list[_R]:
     """``ray.get`` of every ref; on failure the others are still collected (no "unhandled error" noise).
 
     When a rank was lost (its actor, worker or node died), the others fail first, in the collective
@@ -258,6 +328,7 @@ class LearnerWorker:
         self.model_factory = model_factory
         self.rank, self.world_size = rank, world_size
         self.learner: Learner | None = None
+        self._store_socket: socket.socket | None = None  # rank 0's, from rendezvous_address
 
     # -- set-up, called by LearnerGroup in this order
     def rendezvous_address(self) -> tuple[str, int]:
@@ -268,21 +339,23 @@ class LearnerWorker:
         taken before the store binds it).
         """
         try:
-            host = ray.util.get_node_ip_address()
+            host = node_ip_address()
         except Exception:  # not inside Ray
             host = "127.0.0.1"
         family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-        self._store_socket = socket.socket(family, socket.SOCK_STREAM)
-        self._store_socket.bind((host, 0))
-        self._store_socket.listen(128)
-        return host, self._store_socket.getsockname()[1]
+        self._store_socket = sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port: int = sock.getsockname()[1]
+        return host, port
 
     def init_process_group(self, host: str, port: int, backend: str, timeout_s: float = 300.0) -> None:
         if ipaddress.ip_address(host).is_loopback:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         timeout = timedelta(seconds=timeout_s)
-        listen = getattr(self, "_store_socket", None) if self.rank == 0 else None
-        store = dist.TCPStore(
+        listen = self._store_socket if self.rank == 0 else None
+        # TCPStore is public API; torch.distributed imports it without listing it in __all__
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             host,
             port,
             self.world_size,
@@ -317,7 +390,9 @@ class LearnerWorker:
         assert self.learner is not None
         return self.learner.policy_state_dict()
 
-    def cross_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+    def cross_logprobs(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         assert self.learner is not None
         return self.learner.cross_logprobs(prompts, responses)
 
@@ -337,7 +412,7 @@ class LearnerWorker:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if getattr(self, "_store_socket", None) is not None:
+        if self._store_socket is not None:
             self._store_socket.close()
             self._store_socket = None
 
@@ -354,13 +429,14 @@ class LearnerPlacementError(RuntimeError):
 
 def _cluster_summary() -> tuple[float, float, float, int, float]:
     """(total CPUs, free CPUs, total GPUs, alive nodes, CPUs of the biggest node)."""
-    total, free = ray.cluster_resources(), ray.available_resources()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total: dict[str, float] = ray.cluster_resources()
+    free: dict[str, float] = ray.available_resources()
+    nodes = alive_nodes()
     biggest = max((n.get("Resources", {}).get("CPU", 0.0) for n in nodes), default=0.0)
     return total.get("CPU", 0.0), free.get("CPU", 0.0), total.get("GPU", 0.0), len(nodes), biggest
 
 
-def reserve_learners(cfg: LearnerConfig, world_size: int, timeout_s: float) -> Any:
+def reserve_learners(cfg: LearnerConfig, world_size: int, timeout_s: float) -> PlacementGroup:
     """A ready placement group of ``world_size`` bundles of one learner's resources, or LearnerPlacementError.
 
     A group that can never fit (more than the cluster has, or a bundle bigger than any node) fails
@@ -384,7 +460,9 @@ def reserve_learners(cfg: LearnerConfig, world_size: int, timeout_s: float) -> A
     total_cpu, _, total_gpu, _, biggest = _cluster_summary()
     if need_cpu > total_cpu or need_gpu > total_gpu or cfg.num_cpus > biggest:
         raise error(f"they need {need_cpu:g} CPUs and {need_gpu:g} GPUs in all")
-    group = placement_group([dict(bundle) for _ in range(world_size)], strategy=cfg.placement.upper())
+    group: PlacementGroup = placement_group(
+        [dict(bundle) for _ in range(world_size)], strategy=cfg.placement.upper()
+    )
     if not group.wait(timeout_seconds=timeout_s):
         remove_placement_group(group)
         raise error(f"their {need_cpu:g} CPUs were not free within {timeout_s:g} s")
@@ -421,20 +499,23 @@ class LearnerGroup:
             init_ray()
         self.cfg, self.world_size = cfg, world_size
         self.backend = backend or ("nccl" if cfg.num_gpus > 0 else "gloo")
-        self.actors: list[Any] = []
+        self.actors: list[LearnerHandle] = []
         # All ranks or none: a rank started while its peer waits for a CPU sits at the rendezvous
         # until the process-group timeout (300 s), then fails with "1/2 clients joined".
-        self.placement: Any = reserve_learners(cfg, world_size, placement_timeout_s)
+        self.placement: PlacementGroup | None = reserve_learners(cfg, world_size, placement_timeout_s)
         cfg_dict = cfg.model_dump(mode="json")
         try:
             self.actors = [
-                LearnerActor.options(
-                    num_cpus=cfg.num_cpus,
-                    num_gpus=cfg.num_gpus,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self.placement, placement_group_bundle_index=rank
-                    ),
-                ).remote(cfg_dict, model_factory, rank, world_size)
+                cast(
+                    LearnerHandle,
+                    LearnerActor.options(
+                        num_cpus=cfg.num_cpus,
+                        num_gpus=cfg.num_gpus,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            self.placement, placement_group_bundle_index=rank
+                        ),
+                    ).remote(cfg_dict, model_factory, rank, world_size),
+                )
                 for rank in range(world_size)
             ]
             if world_size > 1:
@@ -457,7 +538,9 @@ class LearnerGroup:
         calls = [a.step.remote(ref, turn_scores, advantage_scale, behaviour_logprobs) for a in self.actors]
         return _get_all(calls)[0]
 
-    def cross_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+    def cross_logprobs(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         """``Learner.cross_logprobs`` on every learner (each scores its share of the rows); rank 0's result."""
         return _get_all([a.cross_logprobs.remote(prompts, responses) for a in self.actors])[0]
 
@@ -466,12 +549,14 @@ class LearnerGroup:
         return ray.get(self.actors[0].get_weights.remote())
 
     def save_checkpoint(
-        self, path: str | os.PathLike, iteration: int, extra: dict[str, Any] | None = None
+        self, path: str | os.PathLike[str], iteration: int, extra: dict[str, Any] | None = None
     ) -> Path:
         results = _get_all([a.save_checkpoint.remote(str(path), iteration, extra) for a in self.actors])
-        return Path(results[0])
+        saved = results[0]
+        assert saved is not None  # rank 0 saves, the other ranks return None
+        return Path(saved)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         return _get_all([a.load_checkpoint.remote(str(path)) for a in self.actors])[0]
 
     def shutdown(self) -> None:
@@ -480,7 +565,7 @@ class LearnerGroup:
             with contextlib.suppress(Exception):  # the actors are killed below anyway
                 ray.get([a.close.remote() for a in self.actors], timeout=60)
             for actor in self.actors:
-                ray.kill(actor)
+                kill_actor(actor)
             self.actors = []
         if self.placement is not None:
             from ray.util.placement_group import remove_placement_group

@@ -29,7 +29,7 @@ import os
 import random
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from ragen_core.protocol import (
     system_content,
     turn_content,
 )
+
+if TYPE_CHECKING:  # transformers is imported where a policy is built, not with this module
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ def _qwen2_regex() -> str:
     return PRETOKENIZE_REGEX
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048):
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer (Qwen2 pre-tokenization) and wrap it for transformers.
 
     Returns a ``PreTrainedTokenizerFast`` with the ChatML specials and chat template, the protocol
@@ -265,7 +268,7 @@ def env_corpus(
 # --------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------
-def build_tiny_model(cfg: ModelConfig, tokenizer: Any):
+def build_tiny_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
     """A randomly initialised ``Qwen2ForCausalLM`` sized by ``cfg`` for ``tokenizer``.
 
     Initialisation is seeded by ``cfg.seed`` (same seed, same weights) without touching the global
@@ -295,8 +298,10 @@ def build_tiny_model(cfg: ModelConfig, tokenizer: Any):
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = Qwen2ForCausalLM(config)
-    model = model.to(torch_dtype(cfg.dtype))
+        model: PreTrainedModel = Qwen2ForCausalLM(config)
+    # transformers declares to() with @wraps(nn.Module.to), which mypy reads as the unbound method
+    # (the dtype taken for `self`); it returns the converted model itself
+    model = model.to(torch_dtype(cfg.dtype))  # type: ignore[arg-type]
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.bos_token_id = None
@@ -304,7 +309,9 @@ def build_tiny_model(cfg: ModelConfig, tokenizer: Any):
     return model
 
 
-def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
+def build_tiny_policy(
+    cfg: ModelConfig, corpus: Iterable[str] | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Train a tokenizer on ``corpus`` (default :func:`env_corpus`) and build the tiny model."""
     texts = (
         list(corpus)
@@ -315,14 +322,16 @@ def build_tiny_policy(cfg: ModelConfig, corpus: Iterable[str] | None = None):
     return build_tiny_model(cfg, tokenizer), tokenizer
 
 
-def policy_from_config(cfg: ModelConfig):
+def policy_from_config(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: :func:`load_policy` of ``cfg.path``, or a new tiny policy."""
     if cfg.builds_tiny:
         return build_tiny_policy(cfg)
-    return load_policy(cfg.source(), dtype=cfg.dtype)
+    source = cfg.source()
+    assert source is not None  # not the tiny model: a folder or an HF name
+    return load_policy(source, dtype=cfg.dtype)
 
 
-def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Path:
+def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike[str]) -> Path:
     """Write weights (safetensors), config, generation config and tokenizer in HF format."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -331,7 +340,7 @@ def save_policy(model: Any, tokenizer: Any, directory: str | os.PathLike) -> Pat
     return directory
 
 
-def load_weight_files(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_weight_files(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """All tensors of a folder's ``*.safetensors`` files (a saved policy, possibly sharded).
 
     Raises FileNotFoundError when the folder holds none, and ``CorruptFileError`` naming the file
@@ -387,12 +396,12 @@ def _from_pretrained(cls: Any, name: str, **kwargs: Any) -> Any:
         ) from exc
 
 
-def load_tokenizer(path_or_name: str | os.PathLike):
+def load_tokenizer(path_or_name: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """A policy's tokenizer, as :func:`load_policy` loads it (chat template required, left padding)."""
     from transformers import AutoTokenizer
 
     name = str(path_or_name)
-    tokenizer = _from_pretrained(AutoTokenizer, name)
+    tokenizer: PreTrainedTokenizerBase = _from_pretrained(AutoTokenizer, name)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer of {name!r} has no chat_template; set one or use a chat model "
@@ -405,8 +414,8 @@ def load_tokenizer(path_or_name: str | os.PathLike):
 
 
 def load_policy(
-    path_or_name: str | os.PathLike, dtype: str | torch.dtype = "float32", device: str | None = None
-):
+    path_or_name: str | os.PathLike[str], dtype: str | torch.dtype = "float32", device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``(model, tokenizer)`` from a local directory or a model already in the local HF cache.
 
     Never downloads (``local_files_only=True``). The tokenizer must carry a chat template; it is

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -30,6 +30,19 @@ from ragen_core.trajectory import Trajectory
 _SPLIT_CODES = {"train": 0, "val": 1}
 #: A progress line at most every PROGRESS_EVERY_S seconds, so short rollouts (the tiny models') print none.
 PROGRESS_EVERY_S = 10.0
+
+
+class _ConstrainedEngine(Protocol):
+    """An engine that takes ``constraints``: the hf engine (``RolloutEngine.generate`` has no such keyword;
+    the config refuses constrained decoding with another engine)."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+        constraints: Sequence[AnswerConstraint | None] | None = None,
+    ) -> list[Generation]: ...
 
 
 class _Progress:
@@ -280,10 +293,7 @@ class _Episodes:
             prompts.append(seg.assemble(messages, turns, start)[0])
         seeds = [turn_seed(seed, seed_round, self.split, env_id, turn) for env_id in active]
         if self.constrained:
-            # ``constraints`` is not part of RolloutEngine.generate: only the hf engine takes it (the
-            # config refuses constrained decoding with another engine).
-            engine: Any = self.engine
-            gens: list[Generation] = engine.generate(
+            gens = cast(_ConstrainedEngine, self.engine).generate(
                 prompts, self.params, seeds, constraints=[self.constraint(env_id) for env_id in active]
             )
         else:

@@ -144,7 +144,7 @@ class VLLMEngine(RolloutEngine):
 
     def __init__(
         self,
-        model: str | os.PathLike,
+        model: str | os.PathLike[str],
         *,
         stop_token_ids: Sequence[int],
         vocab_size: int,
@@ -154,7 +154,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         tensor_parallel_size: int = 1,
         seed: int = 0,
-        python: str | os.PathLike | None = None,
+        python: str | os.PathLike[str] | None = None,
         startup_timeout: float = 600.0,
         head_dim: int | None = None,
     ) -> None:
@@ -330,7 +330,7 @@ def _constraint_spec(constraint: AnswerConstraint) -> dict[str, Any]:
     return constraint.spec()
 
 
-def engine_from_policy(policy_path: str | os.PathLike, tokenizer: Any, **kwargs: Any) -> VLLMEngine:
+def engine_from_policy(policy_path: str | os.PathLike[str], tokenizer: Any, **kwargs: Any) -> VLLMEngine:
     """A :class:`VLLMEngine` for a saved policy folder, with its stop ids, vocab and head size."""
     import json
 

@@ -124,7 +124,7 @@ class _RequestConstraint:
         return restrict_to_allowed(logits[None], table)[0]
 
 
-class ConstrainedAnswers(AdapterLogitsProcessor):
+class ConstrainedAnswers(AdapterLogitsProcessor):  # type: ignore[misc]  # vLLM: untyped here (own venv)
     """vLLM logits processor (the v1 API, loaded by name in vLLM's engine process) that runs each
     constrained request's answer grammar; requests without a constraint are left alone."""
 

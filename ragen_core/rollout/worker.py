@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import ray
@@ -23,6 +23,9 @@ from ragen_core.rollout.engine import RolloutEngine, SamplingParams
 from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
 from ragen_core.trajectory import to_table
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class RolloutWorker:
@@ -48,6 +51,7 @@ class RolloutWorker:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.policy_path, self.dtype = policy_path, dtype
+        self.model: PreTrainedModel | None
         if engine == "hf":
             self.model, self.tokenizer = load_policy(policy_path, dtype=dtype)
             self.engine: RolloutEngine = HFEngine(

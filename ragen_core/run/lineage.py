@@ -67,24 +67,25 @@ def _duplicate_row(exc: BaseException) -> bool:
     return any(s in text for s in ("UNIQUE constraint failed", "duplicate key value", "Duplicate entry"))
 
 
-def log_inputs(tracker: Tracker, inputs: list[Any]) -> None:
+def log_inputs(tracker: Tracker, run_id: str, inputs: list[Any]) -> None:
     """``log_inputs``, once more after a duplicate-row error. MLflow looks a dataset up and inserts it
     if absent in two steps; two runs logging the same env groups at the same moment (the members of
     a sweep, which share their env specs, hence their digests) can both miss it, and the second insert
     fails. On the retry the lookup finds the row the other run wrote."""
     try:
-        tracker.client.log_inputs(tracker.run_id, datasets=inputs)
+        tracker.client.log_inputs(run_id, datasets=inputs)
     except Exception as e:
         if not _duplicate_row(e):
             raise
         time.sleep(0.2)
-        tracker.client.log_inputs(tracker.run_id, datasets=inputs)
+        tracker.client.log_inputs(run_id, datasets=inputs)
 
 
 def log_lineage(tracker: Tracker, cfg: RagenConfig, run: RunDir) -> None:
     """Log the env groups as dataset inputs and the warm start's loss curve, once per run (a resumed
     run has them; ``run.json`` ``logged_artifacts`` records it)."""
-    if tracker.run_id is None or tracker.offline is not None:
+    run_id = tracker.run_id
+    if run_id is None or tracker.offline is not None:
         return
     done = run.info().get("logged_artifacts", [])
     if "lineage" in done:
@@ -97,16 +98,16 @@ def log_lineage(tracker: Tracker, cfg: RagenConfig, run: RunDir) -> None:
             d = env_dataset(groups, mode, cfg)
             dataset = Dataset(d["name"], d["digest"], "code", d["source"], profile=d["profile"])
             inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", CONTEXTS[mode])]))
-        log_inputs(tracker, inputs)
+        log_inputs(tracker, run_id, inputs)
         sft = run.init_policy / "sft_metrics.json"
         if sft.is_file():
             curve = json.loads(sft.read_text()).get("loss_curve", [])
             timestamp = int(sft.stat().st_mtime * 1000)
             metrics = [Metric("sft/loss", float(loss), timestamp, int(step)) for step, loss in curve]
             for i in range(0, len(metrics), 1000):  # MLflow's batch limit
-                tracker.client.log_batch(tracker.run_id, metrics=metrics[i : i + 1000])
+                tracker.client.log_batch(run_id, metrics=metrics[i : i + 1000])
     except Exception as e:
-        tracker.go_offline(f"log the datasets and warm start of run {tracker.run_id}", e)
+        tracker.go_offline(f"log the datasets and warm start of run {run_id}", e)
         return
     run.update_info(logged_artifacts=[*done, "lineage"])
 
@@ -122,7 +123,8 @@ class SystemMetrics:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop chatter
-        self.monitor = SystemMetricsMonitor(
+        # mlflow leaves SystemMetricsMonitor.__init__ unannotated
+        self.monitor = SystemMetricsMonitor(  # type: ignore[no-untyped-call]
             tracker.run_id,
             sampling_interval=SYSTEM_METRICS_INTERVAL_S,
             resume_logging=True,  # a resumed run continues its system metrics' steps

@@ -46,7 +46,7 @@ def rerun_config(run: RunDir, k: int) -> RagenConfig:
 
 
 def rerun_stage(
-    run: RunDir, k: int, stage: str, out_dir: Path | None = None, backend: str | None = None
+    run: RunDir, k: int, stage: str, out_dir: str | Path | None = None, backend: str | None = None
 ) -> RerunResult:
     """Recompute one stage of iteration ``k`` from what is on disk, into ``out_dir`` (default
     ``<run>/reruns/iter_k``), and compare it with the stored result. Nothing stored is overwritten.

@@ -46,7 +46,8 @@ class RunLock:
     def holder(self) -> dict[str, Any]:
         """Who holds (or last held) the lock, as written in the file."""
         try:
-            return json.loads(self.path.read_text() or "{}")
+            info: dict[str, Any] = json.loads(self.path.read_text() or "{}")
+            return info
         except (OSError, json.JSONDecodeError):
             return {}
 

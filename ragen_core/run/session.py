@@ -8,10 +8,14 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ragen_core.config import RagenConfig
 from ragen_core.run.run_dir import RunDir, atomic_write_text
+
+if TYPE_CHECKING:  # the learner and the rollout worker load torch and Ray: imported when a session starts
+    from ragen_core.learner.actors import ActorMethods, LearnerGroup, LearnerWorker
+    from ragen_core.rollout.worker import RolloutWorker
 
 
 class Session:
@@ -43,6 +47,9 @@ class Session:
             rollout_dtype(cfg),
         )
         self._worker_args = worker_args
+        #: in-process parts (backend "local"), or the rollout actor's handle and the learner group ("ray")
+        self.worker: RolloutWorker | ActorMethods
+        self.learner: LearnerWorker | LearnerGroup
         if backend == "ray":
             init_ray()
             self._start_actors(cfg.trainer.learners)
@@ -71,24 +78,25 @@ class Session:
 
     def _start_actors(self, learners: int, placement_timeout_s: float = 30.0) -> None:
         """The rollout actor, then the learner group (its placement group reserved at once or not at all)."""
-        from ragen_core.learner.actors import LearnerGroup
+        from ragen_core.learner.actors import LearnerGroup, kill_actor
         from ragen_core.rollout.worker import RolloutActor
 
         t = self.cfg.trainer
-        self.worker = RolloutActor.options(num_cpus=t.rollout_cpus, num_gpus=t.rollout_gpus).remote(
-            *self._worker_args
+        # its methods are called by name (call_worker), all but close
+        worker = cast(
+            "ActorMethods",
+            RolloutActor.options(num_cpus=t.rollout_cpus, num_gpus=t.rollout_gpus).remote(*self._worker_args),
         )
+        self.worker = worker
         try:
-            self.learner: Any = LearnerGroup(
+            self.learner = LearnerGroup(
                 self.cfg.learner,
                 str(self.run.init_policy),
                 world_size=learners,
                 placement_timeout_s=placement_timeout_s,
             )
         except BaseException:
-            import ray
-
-            ray.kill(self.worker)
+            kill_actor(worker)
             raise
         self.learners = learners
 
@@ -164,16 +172,22 @@ class Session:
         return path
 
     def close(self) -> None:
-        if self.backend == "ray":
+        from ragen_core.learner.actors import LearnerWorker, kill_actor
+        from ragen_core.rollout.worker import RolloutWorker
+
+        # the backend decided the types: in-process parts ("local") or Ray actors ("ray")
+        if isinstance(self.learner, LearnerWorker):
+            self.learner.close()
+        else:
+            self.learner.shutdown()
+        if isinstance(self.worker, RolloutWorker):
+            self.worker.close()
+        else:
             import ray
 
-            self.learner.shutdown()
             with contextlib.suppress(Exception):  # stops a vLLM child; a dead actor has none left
                 ray.get(self.worker.close.remote(), timeout=60)
-            ray.kill(self.worker)
-        else:
-            self.learner.close()
-            self.worker.close()
+            kill_actor(self.worker)
 
 
 def rollout_dtype(cfg: RagenConfig) -> str:

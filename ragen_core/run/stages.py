@@ -107,11 +107,13 @@ def sampling_params(cfg: RagenConfig, split: str) -> dict[str, Any]:
     }
 
 
-def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int) -> tuple[pa.Table, dict]:
+def play(
+    cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int
+) -> tuple[pa.Table, dict[str, float]]:
     """One episode per env of ``split`` with the session's current policy: iteration ``k``'s train
     seeds (round ``k - 1``), or the fixed validation seeds of the policy after ``k`` iterations. The
     rows carry ``k``, as the folders and MLflow steps do. Shared by the stages and their reruns."""
-    return session.call_worker(
+    played: tuple[pa.Table, dict[str, float]] = session.call_worker(
         "rollout",
         split,
         k - 1 if split == "train" else 0,
@@ -120,6 +122,7 @@ def play(cfg: RagenConfig, run: RunDir, session: Session, split: str, k: int) ->
         cfg.trainer.seed,
         run.info().get("run_id", ""),
     )
+    return played
 
 
 def _response_metrics(table: pa.Table, prefix: str) -> dict[str, float]:
@@ -284,7 +287,8 @@ def learn_stage(cfg: RagenConfig, run: RunDir, k: int, session: Session, kept: l
     inputs = {"state": run.checkpoint(start), "rollouts": rollouts, "filter": run.filter_file(k)}
     stored = stage_record.load(record, inputs)
     if stored is not None:
-        return stored["metrics"]
+        stored_metrics: dict[str, float] = stored["metrics"]
+        return stored_metrics
     session.learner_to(start)
     table = read_table(rollouts)
     # Before the update and over all groups, kept or not (as RAGEN-2): the policy that played them.

@@ -549,7 +549,7 @@ class Tracker:
         if not self.cfg.log_artifacts or self.offline is not None or self.experiment_id is None:
             return 0
         traces = traces_of_file(  # a damaged file raises here: not a store failure
-            path,
+            Path(path),
             int(step),
             experiment_id=self.experiment_id,
             mlflow_run_id=run_id,
