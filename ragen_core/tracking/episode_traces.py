@@ -207,13 +207,20 @@ def build_trace(
         request_time=start_ms,
         execution_duration=(end_ns - start_ns) // _NS_PER_MS,
         state=TraceState.OK,
-        request_preview=first_user[:PREVIEW_CHARS],
-        response_preview=(root_output or "")[:PREVIEW_CHARS],
+        request_preview=_preview(first_user),
+        response_preview=_preview(root_output or ""),
         trace_metadata=_trace_metadata(row, k, mlflow_run_id),
         tags={TraceTagKey.TRACE_NAME: f"{split} {tag} iter {k} group {int(row['group_id'])}"},
         assessments=_feedback(row, info, group),
     )
     return trace_info, spans
+
+
+def _preview(text: str) -> str:
+    """A preview column's text. Model text may hold NUL bytes, which PostgreSQL's text columns refuse
+    (MLflow's server on PostgreSQL rejected a whole batch of traces for one), so they are shown
+    escaped; the spans keep the text as JSON, where NUL is already escaped."""
+    return text[:PREVIEW_CHARS].replace("\x00", "\\x00")
 
 
 def _root_span(

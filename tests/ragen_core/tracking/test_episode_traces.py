@@ -203,6 +203,17 @@ def test_turns_align_with_the_conversation_also_under_a_context_window() -> None
     assert [s.name for s in spans] == ["episode SimpleSokoban #2", "turn 1", "turn 2", "turn 3"]
 
 
+def test_nul_bytes_of_model_text_are_escaped_in_the_previews_postgresql_stores() -> None:
+    """PostgreSQL's text columns refuse NUL: MLflow's server on it rejected a batch of traces for one."""
+    row = read_table_of([episode("SimpleSokoban", "train", 1, 0, 2, 1, True)]).to_pylist()[0]
+    row["messages"][1]["content"] += "\x00state"
+    row["messages"][2]["content"] = "<answer>Up\x00</answer>"
+    info, spans = build_trace(row, step=1, experiment_id="0", mlflow_run_id="r", start_ms=0)
+    assert "\x00" not in info.request_preview + info.response_preview  # type: ignore[operator]
+    assert "\\x00state" in info.request_preview and info.response_preview == "<answer>Up\\x00</answer>"  # type: ignore[operator]
+    assert all("\x00" not in v for s in spans for v in s.to_dict()["attributes"].values())
+
+
 def test_training_logs_episodes_as_traces_that_search_finds(store: Path, tmp_path: Path) -> None:
     cfg = config(tmp_path, "tracking.experiment=traces", "tracking.max_traces_per_step=6")
     run = stored_run(cfg, "traces")
