@@ -36,7 +36,14 @@ class WorkerDispatch:
     Every member is dispatched at once and then watched: its flow run's id is kept in the sweep's
     state, so a sweep run again waits for a member still in flight instead of dispatching it twice.
     Members that wait (no worker online, every slot of the limit taken) are reported every
-    ``report_every_s`` seconds, saying for what."""
+    ``report_every_s`` seconds, saying for what.
+
+    A worker that dies mid-member (its machine or its process killed) leaves the member's flow run
+    RUNNING on the server for good. A member whose training process has ended while its flow run is
+    still not final after ``lost_after_s`` is lost: its flow run is set Crashed. A Crashed member
+    (so set, or reported so by Prefect) is dispatched again, up to ``lost_retries`` times, to resume
+    from its last completed iteration (nothing it logged is logged twice: resuming is exact); beyond
+    that it is reported failed, with the fix. A Failed member (an error of the run) is not retried."""
 
     def __init__(
         self,
@@ -45,9 +52,14 @@ class WorkerDispatch:
         limit: str | None,
         poll_s: float = 2.0,
         report_every_s: float = 30.0,
+        lost_after_s: float = 20.0,
+        lost_retries: int = 1,
     ) -> None:
         self.sweep, self.deployment, self.limit = sweep, deployment, limit
         self.poll_s, self.report_every_s = poll_s, report_every_s
+        self.lost_after_s, self.lost_retries = lost_after_s, lost_retries
+        self._lost_since: dict[Any, float] = {}
+        self._redispatched: dict[str, int] = {}
         self.pool = self.check()
 
     @staticmethod
@@ -88,9 +100,16 @@ class WorkerDispatch:
             last_report = time.monotonic()
             while in_flight:
                 time.sleep(self.poll_s)
-                states = {fid: client.read_flow_run(fid).state for fid in in_flight}
+                runs = {fid: client.read_flow_run(fid) for fid in in_flight}
+                states = {fid: r.state for fid, r in runs.items()}
                 for fid, state in states.items():
-                    if state is not None and state.is_final():
+                    crashed = state is not None and state.is_crashed()
+                    if crashed or self._is_lost(fid, runs[fid], in_flight[fid]):
+                        m = in_flight.pop(fid)
+                        again = self._lost(client, m, fid, None if crashed else state)
+                        if again is not None:
+                            in_flight[again] = m
+                    elif state is not None and state.is_final():
                         self._finish(in_flight.pop(fid), fid, state)
                 if in_flight and time.monotonic() - last_report >= self.report_every_s:
                     last_report = time.monotonic()
@@ -127,6 +146,56 @@ class WorkerDispatch:
             "sweep: member %s dispatched to %s (flow run %s)", m.key, self.deployment, flow_run.id
         )
         return flow_run.id
+
+    def _is_lost(self, fid: Any, flow_run: Any, m: Member) -> bool:
+        """The member's training process has ended (on this host) while its flow run is still not
+        final, for ``lost_after_s`` in a row: a process that ends normally has reported its final
+        state by then."""
+        from ragen_core.run.run_lock import dead_holder
+
+        run_dir, start = self.sweep.entry(m.key).run_dir, flow_run.start_time
+        gone = run_dir and start is not None and dead_holder(run_dir, start.timestamp()) is not None
+        if not gone:
+            self._lost_since.pop(fid, None)
+            return False
+        first = self._lost_since.setdefault(fid, time.monotonic())
+        return time.monotonic() - first >= self.lost_after_s
+
+    def _lost(self, client: Any, m: Member, fid: Any, state: Any) -> Any:
+        """A member whose infrastructure failed: its flow run Crashed (Prefect's state for a process
+        that died, as opposed to Failed, an error of the run itself), or is lost (``state`` not
+        final: crash it first). Dispatched again to resume, or reported failed with the fix."""
+        from prefect.states import Crashed
+
+        from ragen_core.run.run_dir import RunDir
+
+        e = self.sweep.entry(m.key)
+        done = RunDir(e.run_dir or "").last_complete()
+        if state is None:
+            why = f"flow run {fid} crashed (its process died)"
+        else:
+            why = f"its training process ended while flow run {fid} was still running (its worker or machine died)"
+            client.set_flow_run_state(fid, Crashed(message=f"ragen sweep: {why}"), force=True)
+        self._lost_since.pop(fid, None)
+        tries = self._redispatched.get(m.key, 0)
+        if tries < self.lost_retries:
+            self._redispatched[m.key] = tries + 1
+            self.sweep.log.warning(
+                "sweep: member %s lost: %s; dispatching it again, to resume after iteration %s",
+                m.key,
+                why,
+                done,
+            )
+            return self._dispatch(client, m)
+        self.sweep.finish(
+            m,
+            None,
+            RuntimeError(
+                f"{why}, after {tries} dispatch(es) again; its run keeps iterations 1-{done}: run the "
+                "sweep again with --retry-failed to resume it"
+            ),
+        )
+        return None
 
     def _finish(self, m: Member, flow_run_id: Any, state: Any) -> None:
         from ragen_core.run.run_dir import RunDir

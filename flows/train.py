@@ -149,14 +149,22 @@ def train(request: TrainRequest | None = None) -> dict[str, Any]:
         return _train(request)
 
 
+#: seconds a member's slot outlives its process (renewed by a live one well before it runs out)
+SLOT_LEASE_S = 60.0
+
+
 def slot_of(limit: str | None) -> contextlib.AbstractContextManager[Any]:
-    """One slot of the Prefect global concurrency limit ``limit`` (none: no limit), renewed while held."""
+    """One slot of the Prefect global concurrency limit ``limit`` (none: no limit), renewed while held.
+
+    The lease is short (Prefect's default is 5 minutes): when a member's process dies without giving
+    its slot back (a worker killed), the server frees it when the lease runs out, and a member
+    dispatched again must not wait that long for it."""
     if limit is None:
         return contextlib.nullcontext()
     from prefect.concurrency.sync import concurrency
 
     get_run_logger().info("waiting for a slot of concurrency limit %r", limit)
-    return concurrency(limit, occupy=1, strict=True)
+    return concurrency(limit, occupy=1, strict=True, lease_duration=SLOT_LEASE_S)
 
 
 def _train(request: TrainRequest) -> dict[str, Any]:

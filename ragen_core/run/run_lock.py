@@ -110,3 +110,34 @@ def _is_temp(name: str) -> bool:
     if any(m in name for m in _TEMP_MARKERS):
         return True
     return name.startswith(".") and name.endswith(".tmp")
+
+
+def dead_holder(root: str | os.PathLike[str], since: float) -> dict[str, Any] | None:
+    """The lock's last holder when it took the lock at or after ``since`` (a Unix time) and has ended
+    without finishing, as far as this host can tell; else ``None``.
+
+    A sweep uses it to tell a member whose worker died (its flow run stays RUNNING on the Prefect
+    server) from one still training. Only a holder on this host can be checked (its PID); a holder
+    that took the lock before ``since`` is an earlier attempt's, not the process being watched."""
+    h = RunLock(root).holder()
+    pid, host, started = h.get("pid"), h.get("host"), h.get("started")
+    if not isinstance(pid, int) or host != socket.gethostname() or not isinstance(started, int | float):
+        return None
+    if started < since:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return h
+    except PermissionError:
+        return None  # alive, another user's
+    return None if _alive(pid) else h
+
+
+def _alive(pid: int) -> bool:
+    """A zombie (ended, not yet reaped by its parent) has ended too."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc: trust the signal check

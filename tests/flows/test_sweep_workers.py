@@ -1,22 +1,33 @@
-"""Sweep members on Prefect's scheduler: dispatched as runs of the ragen-train deployment onto a
-process work pool, run by two process workers at once, each holding a slot of a global concurrency
-limit; before any worker is up the sweep says what its members wait for.
-
-Real parts: a Prefect server and an MLflow server on loopback (two members write at once, which a
-SQLite store does not take), the deployments of prefect.yaml, two ``prefect worker start`` processes.
-About 3 minutes on 2 cores."""
+"""The team setup of docs/deployments.md on a real database: PostgreSQL (Debian's package, a private
+cluster), a Prefect server and an MLflow server on it (local artifact root), the deployments of
+prefect.yaml and two process workers; a three-member sweep dispatched as runs of the ragen-train
+deployment, two at a time under a global concurrency limit. One worker is killed mid-member: the
+sweep finds the member lost, crashes its flow run and dispatches it again, and it resumes; every
+member's metrics are in MLflow exactly once and every run folder is complete. Before any worker is
+up the sweep says what its members wait for. About 4 minutes on 2 cores.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
+import os
+import signal
 import sys
 import time
+import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from flows.train import SLOT_LEASE_S
+from ragen_core.integrity import verify_tree
+from ragen_core.run.run_dir import RunDir
+from ragen_core.run.run_lock import RunLock
+from tests.postgres import postgres_server
 from tests.test_e2e import (
     HOST,
     ROOT,
@@ -38,17 +49,18 @@ pytestmark = pytest.mark.slow
 POOL = "ragen-process"  # prefect.yaml's
 DEPLOYMENT = "ragen-train/ragen-train"
 LIMIT = "ragen-test-slots"
-SWEEP_TIMEOUT_S = 600
+SWEEP_TIMEOUT_S = 720
+ITERATIONS = 3
 
 
 def sweep_file(tmp_path: Path) -> Path:
-    """Two members, two iterations each, in-process backend (a member is one process)."""
+    """Three members, three iterations each, in-process backend (a member is one process)."""
     data = {
         "name": "on-workers",
         "base": str(ROOT / "configs" / "bandit-tiny.yaml"),
         "overrides": [
-            "trainer.iterations=2",
-            "trainer.eval_every=2",
+            f"trainer.iterations={ITERATIONS}",
+            f"trainer.eval_every={ITERATIONS}",
             *TINY_RUN,
             "trainer.backend=local",
             f"trainer.run_root={tmp_path / 'runs'}",
@@ -56,6 +68,7 @@ def sweep_file(tmp_path: Path) -> Path:
         "members": [
             {"name": "a", "overrides": []},
             {"name": "b", "overrides": ["learner.optim.actor_lr=2e-4"]},
+            {"name": "c", "overrides": ["learner.optim.actor_lr=5e-4"]},
         ],
         "seeds": [0],
     }
@@ -75,7 +88,38 @@ def wait_for_line(log: Path, text: str, proc: object, timeout_s: float) -> None:
     pytest.fail(f"the sweep did not say {text!r} within {timeout_s:.0f} s\n{tail(log)}")
 
 
-def test_members_run_at_once_on_two_process_workers(tmp_path: Path) -> None:
+def steps_logged(mlflow_url: str, run_id: str, key: str) -> list[int]:
+    """Every step MLflow holds for ``key``, repeats included (a step logged twice shows twice)."""
+    q = urllib.parse.urlencode({"run_id": run_id, "metric_key": key})
+    got = http(f"{mlflow_url}/api/2.0/mlflow/metrics/get-history?{q}")
+    return sorted(int(m["step"]) for m in got.get("metrics", []))
+
+
+def kill_a_worker_mid_member(runs: Path, workers: list[Any], timeout_s: float) -> str:
+    """Once a member has completed an iteration while still training, SIGKILL its training process
+    and the worker that started it (the machine dying, as far as the member can tell); its run's name."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for root in sorted(runs.glob("*/")):
+            pid = RunLock(root).holder().get("pid")
+            if not isinstance(pid, int) or RunDir(root).last_complete() < 1:
+                continue
+            try:  # the holder is alive, having completed 1 of its 3 iterations
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                pgid = os.getpgid(pid)
+            except (OSError, ValueError):
+                continue  # it has just ended
+            os.killpg(pgid, signal.SIGKILL)
+            for w in workers:
+                if w.pid in (parent, pgid):
+                    os.killpg(w.pid, signal.SIGKILL)
+            return root.name
+        time.sleep(0.5)
+    pytest.fail(f"no member completed an iteration within {timeout_s:.0f} s")
+
+
+def test_team_setup_on_postgresql_survives_a_dead_worker(tmp_path: Path) -> None:
     prefect_port = mlflow_port = free_port()
     while mlflow_port == prefect_port:
         mlflow_port = free_port()
@@ -88,49 +132,87 @@ def test_members_run_at_once_on_two_process_workers(tmp_path: Path) -> None:
             "RAGEN_STATE_DIR": str(tmp_path / "state"),
         }
     )
-    prefect, mlflow_cmd = tool("prefect"), mlflow_server_cmd(tmp_path, mlflow_port)
-    prefect_cmd = [prefect, "server", "start", "--host", HOST, "--port", str(prefect_port), "--no-ui"]
-    logs = {name: tmp_path / f"{name}.log" for name in ("mlflow", "prefect", "sweep", "worker-1", "worker-2")}
-    with (
-        group(mlflow_cmd, logs["mlflow"], env=env, cwd=tmp_path) as mlflow_proc,
-        group(prefect_cmd, logs["prefect"], env=env, cwd=tmp_path) as prefect_proc,
-    ):
-        wait_healthy(f"{mlflow_url}/health", mlflow_proc, logs["mlflow"], "mlflow server")
-        wait_healthy(f"{api}/health", prefect_proc, logs["prefect"], "prefect server")
-        run_cli([prefect, "work-pool", "create", POOL, "--type", "process"], env)
-        run_cli([prefect, "--no-prompt", "deploy", "--all"], env)
-        run_cli([prefect, "gcl", "create", LIMIT, "--limit", "2"], env)
+    logs = {
+        n: tmp_path / f"{n}.log" for n in ("postgres", "mlflow", "prefect", "sweep", "worker-1", "worker-2")
+    }
+    with postgres_server(logs["postgres"], ["prefect", "mlflow"]) as pg:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = pg.url("prefect", driver="asyncpg")
+        prefect, mlflow_cmd = tool("prefect"), mlflow_server_cmd(tmp_path, mlflow_port)
+        mlflow_cmd[mlflow_cmd.index("--backend-store-uri") + 1] = pg.url("mlflow")
+        prefect_cmd = [prefect, "server", "start", "--host", HOST, "--port", str(prefect_port), "--no-ui"]
+        with (
+            group(mlflow_cmd, logs["mlflow"], env=env, cwd=tmp_path) as mlflow_proc,
+            group(prefect_cmd, logs["prefect"], env=env, cwd=tmp_path) as prefect_proc,
+        ):
+            wait_healthy(f"{mlflow_url}/health", mlflow_proc, logs["mlflow"], "mlflow server")
+            wait_healthy(f"{api}/health", prefect_proc, logs["prefect"], "prefect server")
+            run_sweep_with_a_dead_worker(tmp_path, env, api, mlflow_url, logs)
 
-        sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", "run", str(sweep_file(tmp_path))]
-        sweep_cmd += ["--deployment", DEPLOYMENT, "--concurrency-limit", LIMIT]
-        with group(sweep_cmd, logs["sweep"], env=env, cwd=ROOT) as sweep:
-            # no worker yet: the sweep says so, and how to start one
-            wait_for_line(logs["sweep"], f"no worker of work pool '{POOL}' is online", sweep, 120)
-            assert f"prefect worker start --pool {POOL}" in logs["sweep"].read_text()
-            worker = [prefect, "worker", "start", "--pool", POOL, "--type", "process"]
-            with (
-                group(worker, logs["worker-1"], env=env, cwd=tmp_path),
-                group(worker, logs["worker-2"], env=env, cwd=tmp_path),
-            ):
-                try:
-                    code = sweep.wait(timeout=SWEEP_TIMEOUT_S)
-                except Exception:
-                    pytest.fail(f"the sweep did not end in {SWEEP_TIMEOUT_S} s\n{tail(logs['sweep'])}")
-        assert code == 0, "\n".join(tail(logs[n]) for n in ("sweep", "worker-1", "worker-2"))
 
-        state = json.loads(next((tmp_path / "state" / "sweeps").glob("on-workers-*/state.json")).read_text())
-        members = state["members"]
-        assert sorted(members) == ["a-s0", "b-s0"] and all(
-            m["status"] == "finished" for m in members.values()
-        )
-        runs = [http(f"{api}/flow_runs/{m['flow_run_id']}") for m in members.values()]
-        assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
-        assert all(r["name"].startswith("train/") for r in runs)  # named after their runs
+def run_sweep_with_a_dead_worker(
+    tmp_path: Path, env: dict[str, str], api: str, mlflow_url: str, logs: dict[str, Path]
+) -> None:
+    prefect = tool("prefect")
+    run_cli([prefect, "work-pool", "create", POOL, "--type", "process"], env)
+    run_cli([prefect, "--no-prompt", "deploy", "--all"], env)
+    run_cli([prefect, "gcl", "create", LIMIT, "--limit", "2"], env)
 
-        def span(r: dict) -> tuple[dt.datetime, dt.datetime]:
-            return dt.datetime.fromisoformat(r["start_time"]), dt.datetime.fromisoformat(r["end_time"])
+    sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", "run", str(sweep_file(tmp_path))]
+    sweep_cmd += ["--deployment", DEPLOYMENT, "--concurrency-limit", LIMIT]
+    with group(sweep_cmd, logs["sweep"], env=env, cwd=ROOT) as sweep:
+        # no worker yet: the sweep says so, and how to start one
+        wait_for_line(logs["sweep"], f"no worker of work pool '{POOL}' is online", sweep, 120)
+        assert f"prefect worker start --pool {POOL}" in logs["sweep"].read_text()
+        # --limit 1: one member per worker, as docs/deployments.md runs them
+        worker = [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", "1"]
+        with (
+            group(worker, logs["worker-1"], env=env, cwd=tmp_path) as w1,
+            group(worker, logs["worker-2"], env=env, cwd=tmp_path) as w2,
+        ):
+            lost = kill_a_worker_mid_member(tmp_path / "runs", [w1, w2], SWEEP_TIMEOUT_S / 2)
+            try:
+                code = sweep.wait(timeout=SWEEP_TIMEOUT_S)
+            except Exception:
+                pytest.fail(f"the sweep did not end in {SWEEP_TIMEOUT_S} s\n{tail(logs['sweep'])}")
+    sweep_log = logs["sweep"].read_text()
+    assert code == 0, "\n".join(tail(logs[n]) for n in ("sweep", "worker-1", "worker-2"))
+    assert "lost" in sweep_log and "dispatching it again" in sweep_log, tail(logs["sweep"])
 
-        (a0, a1), (b0, b1) = span(runs[0]), span(runs[1])
-        assert a0 < b1 and b0 < a1, f"the two members did not run at the same time: {runs[0]} {runs[1]}"
-        slots = http(f"{api}/v2/concurrency_limits/{LIMIT}")
-        assert slots["active_slots"] == 0  # both slots given back
+    state = json.loads(next((tmp_path / "state" / "sweeps").glob("on-workers-*/state.json")).read_text())
+    members = state["members"]
+    assert sorted(members) == ["a-s0", "b-s0", "c-s0"]
+    assert all(m["status"] == "finished" for m in members.values()), members
+    for key, m in members.items():
+        run = RunDir(m["run_dir"])
+        assert run.last_complete() == ITERATIONS, (key, run.root)
+        for i in range(1, ITERATIONS + 1):  # every iteration's files as they were written
+            assert verify_tree(run.root / f"iter_{i:04d}"), (key, i)
+        # every step logged once, the lost member's resumed steps included
+        assert steps_logged(mlflow_url, m["mlflow_run_id"], "train/success") == list(range(1, ITERATIONS + 1))
+    [lost_key] = [k for k, m in members.items() if Path(m["run_dir"]).name == lost]
+    assert members[lost_key]["attempts"] == 2
+
+    runs = [http(f"{api}/flow_runs/{m['flow_run_id']}") for m in members.values()]
+    assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+    assert all(r["name"].startswith("train/") for r in runs)  # named after their runs
+    crashed = http(f"{api}/flow_runs/filter", {"flow_runs": {"state": {"type": {"any_": ["CRASHED"]}}}})
+    assert len(crashed) == 1 and "worker or machine died" in crashed[0]["state"]["message"], crashed
+
+    def span(r: dict[str, Any]) -> tuple[dt.datetime, dt.datetime]:
+        end = r["end_time"] or r["state"]["timestamp"]  # a run crashed by the sweep has no end time
+        return dt.datetime.fromisoformat(r["start_time"]), dt.datetime.fromisoformat(end)
+
+    every = [
+        r for r in http(f"{api}/flow_runs/filter", {}) if r["name"].startswith("train/") and r["start_time"]
+    ]
+    spans = sorted(span(r) for r in every)
+    assert len(every) == 4 and any(a1 > b0 for (_, a1), (b0, _) in itertools.pairwise(spans)), (
+        f"no two members ran at the same time: {spans}"
+    )
+    # every slot given back; the dead member's when its lease runs out (flows.train.SLOT_LEASE_S)
+    deadline = time.monotonic() + 2 * SLOT_LEASE_S + 30
+    while (slots := http(f"{api}/v2/concurrency_limits/{LIMIT}"))[
+        "active_slots"
+    ] and time.monotonic() < deadline:
+        time.sleep(2)
+    assert slots["active_slots"] == 0, slots
