@@ -28,6 +28,7 @@ _BUILTIN_TYPES: dict[str, str] = {
     "frozen_lake": "envs.frozen_lake:FrozenLakeEnv",
     "countdown": "envs.countdown:CountdownEnv",
     "metamathqa": "envs.mathqa:MathQAEnv",
+    "webshop": "envs.webshop:WebShopEnv",
 }
 
 
@@ -44,6 +45,9 @@ class EnvSpec:
     #: RAGEN's per-environment configs: one for the single-answer tasks, else agent_proxy's default 5
     max_turn: int = 5
     env_config: dict[str, Any] = field(default_factory=dict)
+    #: part of the tiny tokenizer's default corpus (false keeps the corpus, hence the tokenizers of
+    #: the existing tiny configs, as they were when a tag with long texts joined the catalogue)
+    tokenizer_corpus: bool = True
 
 
 class UnknownEnvError(KeyError):
@@ -126,6 +130,12 @@ def tags() -> list[str]:
 def catalogue_tags() -> list[str]:
     """The tags of the shipped catalogue file only (stable: nothing registered at run time)."""
     return list(yaml.safe_load(CATALOGUE_PATH.read_text()) or {})
+
+
+def default_corpus_tags() -> list[str]:
+    """The shipped tags whose texts train the tiny tokenizer by default (``tokenizer_corpus``)."""
+    raw = yaml.safe_load(CATALOGUE_PATH.read_text()) or {}
+    return [tag for tag, entry in raw.items() if (entry or {}).get("tokenizer_corpus", True)]
 
 
 def spec(tag: str, **overrides: Any) -> EnvSpec:

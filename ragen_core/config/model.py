@@ -38,6 +38,11 @@ class ModelConfig(BaseModel):
     dtype: str = "float32"
     seed: int = 0
     corpus_seeds: int = Field(default=16, ge=1, description="env seeds per tag for the tokenizer corpus")
+    corpus_tags: list[str] | None = Field(
+        default=None,
+        description="env tags whose texts train the tiny tokenizer; None: the catalogue's default corpus "
+        "(WebShop's long pages are not in it: a WebShop config names its tag here)",
+    )
     cell_tokens: bool = Field(
         default=False,
         description="tokenizer learns no merges across grid cells, so each cell of a rendered grid is one token",

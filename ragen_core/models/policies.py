@@ -239,8 +239,8 @@ def env_corpus(
 ) -> list[str]:
     """Text like what the policy reads and writes, for training the tiny tokenizer.
 
-    For each tag (default: the shipped catalogue's tags, so that the tokenizer does not depend on
-    what else a process registered): the tag's instruction prefix, initial
+    For each tag (default: the shipped catalogue's tags but those marked ``tokenizer_corpus: false``,
+    so that the tokenizer does not depend on what else a process registered): the tag's instruction prefix, initial
     and later states rendered by the environment for seeds ``0..n_seeds-1``, the per-turn template
     text, reward lines, and ``<think>...</think><answer>...</answer>`` samples with the tag's action
     names; plus numbers and generic ChatML framing. ``cell_tokens`` writes grid states with their
@@ -248,11 +248,11 @@ def env_corpus(
     environment cannot be built yet (its module missing or broken) raise: a silently smaller corpus
     would give another tokenizer. Deterministic for a given set of tags.
     """
-    import envs
+    from envs.registry import default_corpus_tags
 
     rng = random.Random(seed)
     corpus: list[str] = []
-    for tag in list(tags) if tags is not None else envs.catalogue_tags():
+    for tag in list(tags) if tags is not None else default_corpus_tags():
         corpus.extend(_tag_texts(tag, n_seeds, rng, cell_tokens))
     corpus.extend(str(i) for i in range(1000))
     corpus.extend(f"{rng.uniform(-1, 1):.2f} {rng.randint(0, 10000)}" for _ in range(200))
@@ -316,7 +316,7 @@ def build_tiny_policy(
     texts = (
         list(corpus)
         if corpus is not None
-        else env_corpus(n_seeds=cfg.corpus_seeds, cell_tokens=cfg.cell_tokens)
+        else env_corpus(n_seeds=cfg.corpus_seeds, tags=cfg.corpus_tags, cell_tokens=cfg.cell_tokens)
     )
     tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
     return build_tiny_model(cfg, tokenizer), tokenizer

@@ -80,7 +80,8 @@ def test_env_corpus_covers_the_catalogue(corpus):
 
     text = "\n".join(corpus)
     assert "Turn 1:\nState:\n" in text and "<answer>" in text and "Reward:\n" in text
-    for tag in envs.catalogue_tags():
+    assert "WebShop" in envs.catalogue_tags() and "WebShop" not in envs.registry.default_corpus_tags()
+    for tag in envs.registry.default_corpus_tags():
         env = envs.make(tag)
         first = TurnRecord(state=env.reset(0), actions_left=env.spec.max_actions_per_traj)
         # seed 0 thinks: its text opens with the system and first user message a rollout shows
