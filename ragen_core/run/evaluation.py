@@ -23,6 +23,7 @@ from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner.checkpoint import verify_checkpoint
 from ragen_core.models.policy_ref import locate_policy
+from ragen_core.models.weights_check import check_model_folder
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.run.run_dir import RunDir, atomic_write_text
@@ -139,6 +140,7 @@ def resolve_policy(spec: str) -> Policy:
     if ref.kind == "registry":
         return _registered_policy(spec)
     if ref.kind == "model":
+        check_model_folder(spec)  # a broken weight file is named here, before a model loads
         return Policy(spec, None, None, Path(spec).name or spec)
     name, at, step = spec.partition("@")
     run = RunDir(ref.source)
@@ -165,6 +167,20 @@ def resolve_policy(spec: str) -> Policy:
         run_dir=run.root,
         model_id=run.info().get("logged_models", {}).get(str(k)),
     )
+
+
+def check_before_work(policy: Policy | None) -> None:
+    """The state folder and the store the evaluation will log to, before a model loads: a damaged
+    ``mlflow.db`` or run index, an unreachable tracking server (:class:`EvaluateError`, one line each)."""
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.run.state_checks import state_problems
+
+    tracking = TrackingConfig(experiment=EVAL_EXPERIMENT)
+    if policy is not None and policy.run_dir is not None:
+        tracking = RunDir(policy.run_dir).config().tracking
+    problems = state_problems(tracking)
+    if problems:
+        raise EvaluateError("cannot evaluate:\n  " + "\n  ".join(problems))
 
 
 def _registered_policy(uri: str) -> Policy:

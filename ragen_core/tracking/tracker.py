@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps
-from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, _probe_http
+from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, probe_http
 from ragen_core.tracking.store import _open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +133,7 @@ class Tracker:
         self._tracing: Any = None  # mlflow TracingClient on tracking_uri, made at the first trace
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
-            _probe_http(self.tracking_uri, cfg.connect_timeout_s)
+            probe_http(self.tracking_uri, cfg.connect_timeout_s)
         db = self.tracking_uri[len("sqlite:///") :] if scheme == "sqlite" else ""
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
