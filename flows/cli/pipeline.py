@@ -246,11 +246,13 @@ def rerun(
 ) -> None:
     """Recompute one stage of one iteration from what is stored and compare with the stored result."""
     prepare()
-    from flows.rerun import RerunRequest, check_rerun
-    from flows.rerun import rerun as rerun_flow
+    from ragen_core.run.rerun_checks import check_rerun
     from ragen_core.run.run_dir import find_run
 
-    check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
+    check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect loads
+    from flows.rerun import RerunRequest
+    from flows.rerun import rerun as rerun_flow
+
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
     verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
     console().print(
