@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, load_config
+from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import RagenError
 from ragen_core.integrity import record, verify
 from ragen_core.state_folder import locate_run, read_run_index, run_index_path, run_not_found, state_dir
@@ -339,7 +339,8 @@ def create_run(
             "is writable and the disk has space"
         ) from exc
     record(dump_config(cfg, run.config_path))
-    run.update_info(run_id=run_id, config_hash=chash, created=time.time())
+    # the hash and keys a resume compares config.yaml with (ragen_core.run.resume)
+    run.update_info(run_id=run_id, config_hash=chash, config_keys=flatten(cfg), created=time.time())
     _index_add(run_id, run.root.resolve())
     return run
 
