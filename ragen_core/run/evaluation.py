@@ -10,6 +10,7 @@ generalisation gap the tags measure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -366,8 +367,23 @@ def log_evaluation(
     if policy.model_id:  # the LoggedModel's page lists the evaluations of it
         link_metrics(tracker, mlflow_run, policy.model_id, metrics)
     tracker.log_artifact(path, "eval")
+    if tracker.offline is not None:
+        _failed_logging(tracker, mlflow_run, path)
     tracker.end()
     return LoggedEvaluation(mlflow_run, tracking.experiment, parent)
+
+
+def _failed_logging(tracker: Tracker, mlflow_run: str, path: Path) -> None:
+    """An evaluation whose MLflow logging failed is no success: its run is ended FAILED where the
+    store still takes that (never left RUNNING by us), and one line says what is missing and how to
+    log it (the trajectories are kept; an evaluation has no resume, so it is run again)."""
+    with contextlib.suppress(Exception):  # the store is failing: the line below says so already
+        tracker.client.set_terminated(mlflow_run, status="FAILED")
+    raise EvaluateError(
+        f"the evaluation finished but was not logged to MLflow: {tracker.offline}; its MLflow run "
+        f"{mlflow_run} lacks its metrics or trajectories (kept in {path}); once the store works "
+        "(free disk space, or fix tracking.tracking_uri), run the same `ragen evaluate` again to log it"
+    )
 
 
 def link_metrics(tracker: Tracker, run_id: str, model_id: str, metrics: dict[str, float]) -> None:

@@ -41,7 +41,7 @@ def test_unedited_config_and_documented_extension_pass(run: RunDir) -> None:
     cfg, changes = resume_config(run.root, run.config(), 0, None, ["trainer.iterations=4"])
     assert cfg.trainer.iterations == 4 and set(changes) == {"trainer.iterations"}
     _edit_lr(run)
-    with pytest.raises(ResumeError, match="learner.optim.actor_lr"):
+    with pytest.raises(ResumeError, match=r"learner\.optim\.actor_lr"):
         resume_config(run.root, run.config(), 0, None, ["trainer.iterations=4"])
 
 
