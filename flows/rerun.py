@@ -8,13 +8,11 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
-from ragen_core.errors import RagenError
 from ragen_core.run.rerun import rerun_stage
-from ragen_core.run.run_dir import RunDir, find_run
+from ragen_core.run.rerun_checks import RerunError, check_rerun
+from ragen_core.run.run_dir import find_run
 
-
-class RerunError(RagenError):
-    """A rerun that cannot be done (no such iteration or stage); the message says which exist."""
+__all__ = ["RerunError", "RerunRequest", "check_rerun", "rerun"]
 
 
 class RerunRequest(BaseModel):
@@ -22,24 +20,6 @@ class RerunRequest(BaseModel):
     iteration: int = Field(ge=0, description="iteration to rerun (evaluate: the step)")
     stage: Literal["rollout", "learn", "evaluate"] = "learn"
     out_dir: str | None = Field(default=None, description="default: <run>/reruns/iter_<k>")
-
-
-def check_rerun(run: RunDir, k: int, stage: str) -> None:
-    """Raise :class:`RerunError` unless iteration ``k`` of ``run`` is stored with its ``stage``.
-
-    Step 0 is the policy before training: it has an evaluation but no rollout or learner step.
-    """
-    last = run.last_complete()
-    choose = f"use --iteration 1..{last}" if last else "the run has no complete iteration yet"
-    if k == 0 and stage != "evaluate":
-        raise RerunError(
-            f"iteration 0 has no {stage} stage: iterations start at 1, and step 0 (the policy "
-            f"before training) can only be evaluated (--stage evaluate); {choose}"
-        )
-    if k > last:
-        raise RerunError(
-            f"iteration {k} of run {run.root.name} is not complete (last complete: {last}); {choose}"
-        )
 
 
 @flow(name="ragen-rerun", flow_run_name="rerun/{request.run}/iteration-{request.iteration}/{request.stage}")

@@ -15,6 +15,8 @@ import math
 import time
 from collections.abc import Mapping
 
+from ragen_core.text_safety import PrintableFormatter
+
 PROGRESS_ENV = "RAGEN_PROGRESS"
 progress_log = logging.getLogger("ragen.progress")
 
@@ -23,7 +25,7 @@ def show_progress_lines() -> None:
     """Print ``ragen.progress`` lines on stderr in this process (once, however often called)."""
     if not any(getattr(h, "_ragen_progress", False) for h in progress_log.handlers):
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", "%H:%M:%S"))
+        handler.setFormatter(PrintableFormatter("%(asctime)s | %(message)s", "%H:%M:%S"))
         handler._ragen_progress = True  # type: ignore[attr-defined]
         progress_log.addHandler(handler)
     progress_log.setLevel(logging.INFO)

@@ -33,17 +33,36 @@ def run_index_path() -> Path:
     return state_dir() / "runs.json"
 
 
+def read_run_index() -> dict[str, str]:
+    """The run index (run id -> directory), ``{}`` when there is none; one line naming the file and
+    the fix (a :class:`~ragen_core.errors.RagenError`) when it is not a JSON object."""
+    import json
+
+    from ragen_core.errors import RagenError
+
+    index = run_index_path()
+    try:
+        data = json.loads(index.read_text())
+    except FileNotFoundError:
+        return {}
+    except (UnicodeDecodeError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        raise RagenError(
+            f"the run index {index} is not a JSON object ({data}); repair it or move it aside "
+            f"(mv {index} {index}.broken): runs are still found by their directory"
+        )
+    return data
+
+
 def locate_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> Path | None:
     """The directory of a run given by directory, by id (the run index) or by id under ``run_root``
     (default ``<state>/runs``); None when there is none. Here, not in ``run_dir``, because the CLI asks
     it before anything heavy loads (``run_dir`` brings the config module, hence torch): an unknown run
     fails in a fraction of a second."""
-    import json
-
     candidates = [Path(run_id_or_path)]
-    index = run_index_path()
-    if index.exists():
-        known = json.loads(index.read_text()).get(run_id_or_path)
+    if not (candidates[0] / "config.yaml").is_file():  # a run directory needs no index
+        known = read_run_index().get(run_id_or_path)
         if known:
             candidates.append(Path(known))
     candidates.append(Path(run_root or state_dir() / "runs") / run_id_or_path)

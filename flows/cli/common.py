@@ -51,7 +51,10 @@ def fail(message: str, code: int = 1) -> NoReturn:
     from rich.console import Console
     from rich.text import Text
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(message, style="bold red"))
+    from ragen_core.text_safety import printable
+
+    # an error may quote a file's or the model's text: its control characters are shown, not obeyed
+    Console(stderr=True, highlight=False, soft_wrap=True).print(Text(printable(message), style="bold red"))
     raise typer.Exit(code)
 
 
@@ -90,9 +93,12 @@ class _QuietFailedRuns(logging.Filter):
 
 
 def _quiet_failed_runs() -> None:
+    from ragen_core.text_safety import PrintableFilter
+
     for name in ("prefect.flow_runs", "prefect.task_runs"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietFailedRuns) for f in log.filters):
+            log.addFilter(PrintableFilter())  # the flows' log lines may quote model text
             log.addFilter(_QuietFailedRuns())
 
 

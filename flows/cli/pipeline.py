@@ -90,7 +90,13 @@ def _check_train(config: Path | None, overrides: list[str], resume: str | None, 
 
     run = find_run(resume)
     RunLock(run.root).acquire().release()  # in use by another process: say so now
-    resume_config(run.root, run.config(), check_resumable(run), config, overrides)
+    cfg, _ = resume_config(run.root, run.config(), check_resumable(run), config, overrides)
+    from ragen_core.run.preflight import PreflightError
+    from ragen_core.run.state_checks import state_problems
+
+    problems = state_problems(cfg.tracking)
+    if problems:
+        raise PreflightError("cannot resume this run:\n  " + "\n  ".join(problems))
 
 
 def success_per_tag(
@@ -170,15 +176,19 @@ def evaluate(
     from ragen_core.models.policy_ref import locate_policy
 
     # Before Prefect, MLflow or torch load (seconds): an unknown run or model fails at once.
-    locate_policy(policy)
+    ref = locate_policy(policy)
     from flows.evaluate import evaluate as evaluate_flow
-    from ragen_core.run.evaluation import EvaluateRequest, check_tags, resolve_policy
+    from ragen_core.run.evaluation import EvaluateRequest, check_before_work, check_tags, resolve_policy
+
+    if ref.kind == "registry":  # looked up in the store: check it first
+        check_before_work(None)
 
     # A bad tag, step or config fails here too, before Prefect starts.
     tag_list = [t.strip() for t in tags.split(",") if t.strip()] if tags is not None else None
     if tag_list is not None:
         check_tags(tag_list)
     resolved = resolve_policy(policy)
+    check_before_work(resolved)  # the state folder and the store, before a model loads
     if tag_list is None:  # the run's own validation tags (a model: SimpleSokoban)
         tag_list = resolved.default_tags()
         check_tags(tag_list)
@@ -236,11 +246,13 @@ def rerun(
 ) -> None:
     """Recompute one stage of one iteration from what is stored and compare with the stored result."""
     prepare()
-    from flows.rerun import RerunRequest, check_rerun
-    from flows.rerun import rerun as rerun_flow
+    from ragen_core.run.rerun_checks import check_rerun
     from ragen_core.run.run_dir import find_run
 
-    check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect starts
+    check_rerun(find_run(run), iteration, stage)  # a missing run or iteration fails before Prefect loads
+    from flows.rerun import RerunRequest
+    from flows.rerun import rerun as rerun_flow
+
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
     verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
     console().print(

@@ -173,7 +173,12 @@ def show(
     path = trajectory_source(target)  # before the trajectory module (torch) loads: a typo fails at once
     from rich.text import Text
 
+    from ragen_core.run.stage_record import misplaced_file
     from ragen_core.tracking.rendering import print_transcript, summarize, summary_table
+
+    misplaced = misplaced_file(path.resolve())  # another iteration's rows, shown as this one's: refuse
+    if misplaced:
+        raise ShowError(misplaced)
 
     trajs = _read(path)
     kept = filter_decisions(path, len(trajs))

@@ -62,11 +62,39 @@ class TrackingConfig(BaseModel):
         "the run at the next iteration. true / false (older configs) read as process / off",
     )
 
+    @field_validator("tracking_uri")
+    @classmethod
+    def _known_scheme(cls, v: str | None) -> str | None:
+        problem = uri_scheme_problem(v) if v else None
+        if problem:
+            raise ValueError(problem)
+        return v
+
     @field_validator("background", mode="before")
     @classmethod
     def _background_bool(cls, v: Any) -> Any:
         # Before 2026-12-02 the key was a bool (true: a thread); true now means the default.
         return {True: "process", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+#: The URI schemes of MLflow's tracking stores (``postgresql+psycopg2``: a database with its driver);
+#: no scheme is a local folder (a file store).
+TRACKING_SCHEMES = ("file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks")
+
+
+def uri_scheme_problem(uri: str) -> str | None:
+    """Why MLflow has no tracking store for ``uri``'s scheme (one line, with the fix), else None: an
+    unknown scheme otherwise fails only after the model has loaded, deep in MLflow's store registry."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(uri).scheme
+    if not scheme or scheme.split("+", 1)[0] in TRACKING_SCHEMES:
+        return None
+    return (
+        f"tracking URI {uri!r}: MLflow has no tracking store for the scheme {scheme!r}; use one of "
+        f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} (or leave tracking.tracking_uri and "
+        "MLFLOW_TRACKING_URI unset for the local store in the state folder)"
+    )
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, state_dir: str | os.PathLike[str]) -> str:

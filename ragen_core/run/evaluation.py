@@ -10,6 +10,7 @@ generalisation gap the tags measure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.learner.checkpoint import verify_checkpoint
 from ragen_core.models.policy_ref import locate_policy
+from ragen_core.models.weights_check import check_model_folder
 from ragen_core.progress import duration
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.run.run_dir import RunDir, atomic_write_text
@@ -139,6 +141,7 @@ def resolve_policy(spec: str) -> Policy:
     if ref.kind == "registry":
         return _registered_policy(spec)
     if ref.kind == "model":
+        check_model_folder(spec)  # a broken weight file is named here, before a model loads
         return Policy(spec, None, None, Path(spec).name or spec)
     name, at, step = spec.partition("@")
     run = RunDir(ref.source)
@@ -165,6 +168,20 @@ def resolve_policy(spec: str) -> Policy:
         run_dir=run.root,
         model_id=run.info().get("logged_models", {}).get(str(k)),
     )
+
+
+def check_before_work(policy: Policy | None) -> None:
+    """The state folder and the store the evaluation will log to, before a model loads: a damaged
+    ``mlflow.db`` or run index, an unreachable tracking server (:class:`EvaluateError`, one line each)."""
+    from ragen_core.config.tracking import TrackingConfig
+    from ragen_core.run.state_checks import state_problems
+
+    tracking = TrackingConfig(experiment=EVAL_EXPERIMENT)
+    if policy is not None and policy.run_dir is not None:
+        tracking = RunDir(policy.run_dir).config().tracking
+    problems = state_problems(tracking)
+    if problems:
+        raise EvaluateError("cannot evaluate:\n  " + "\n  ".join(problems))
 
 
 def _registered_policy(uri: str) -> Policy:
@@ -350,8 +367,23 @@ def log_evaluation(
     if policy.model_id:  # the LoggedModel's page lists the evaluations of it
         link_metrics(tracker, mlflow_run, policy.model_id, metrics)
     tracker.log_artifact(path, "eval")
+    if tracker.offline is not None:
+        _failed_logging(tracker, mlflow_run, path)
     tracker.end()
     return LoggedEvaluation(mlflow_run, tracking.experiment, parent)
+
+
+def _failed_logging(tracker: Tracker, mlflow_run: str, path: Path) -> None:
+    """An evaluation whose MLflow logging failed is no success: its run is ended FAILED where the
+    store still takes that (never left RUNNING by us), and one line says what is missing and how to
+    log it (the trajectories are kept; an evaluation has no resume, so it is run again)."""
+    with contextlib.suppress(Exception):  # the store is failing: the line below says so already
+        tracker.client.set_terminated(mlflow_run, status="FAILED")
+    raise EvaluateError(
+        f"the evaluation finished but was not logged to MLflow: {tracker.offline}; its MLflow run "
+        f"{mlflow_run} lacks its metrics or trajectories (kept in {path}); once the store works "
+        "(free disk space, or fix tracking.tracking_uri), run the same `ragen evaluate` again to log it"
+    )
 
 
 def link_metrics(tracker: Tracker, run_id: str, model_id: str, metrics: dict[str, float]) -> None:

@@ -92,19 +92,29 @@ def spelling_problems(cfg: RagenConfig, tokenizer: Any = None) -> list[str]:
 
 def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     """Checks that need the machine, before any work: engine, devices, the run folder and its disk."""
-    problems = _engine_problems(cfg)
-    if cfg.model.imported is not None:
-        from ragen_core.config.model import ModelNotFoundError
+    from ragen_core.run.state_checks import state_problems
 
-        try:
-            cfg.model.source()
-        except ModelNotFoundError as exc:
-            problems.append(str(exc))
+    problems = state_problems(cfg.tracking) + _engine_problems(cfg) + model_problems(cfg)
     problems += spelling_problems(cfg)
     problems += _device_problems(cfg)
     problems += _run_root_problems(cfg, min_free_gb)
     if problems:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+
+
+def model_problems(cfg: RagenConfig) -> list[str]:
+    """An imported model that is missing, and a local model folder whose weight files are broken
+    (checked from their headers: a corrupt file otherwise fails inside the model load)."""
+    from ragen_core.config.model import ModelNotFoundError
+    from ragen_core.models.weights_check import WeightsFileError, check_model_folder
+
+    try:
+        source = cfg.model.source()
+        if source is not None:
+            check_model_folder(source)
+    except (ModelNotFoundError, WeightsFileError) as exc:
+        return [str(exc)]
+    return []
 
 
 def _engine_problems(cfg: RagenConfig) -> list[str]:

@@ -16,14 +16,19 @@ run a mix of two experiments that no one can rerun. What is safe is accepted and
 Any other change, through ``--set`` or through a config file given with ``--resume``, is refused
 before anything is written, naming the keys, their stored and given values, and the fix (a new run).
 An accepted change rewrites ``config.yaml`` and is appended to ``run.json``'s ``resumes`` list.
+
+``run.json`` keeps the config's ``config_hash`` and its keys (``config_keys``) as ragen last wrote it,
+so a ``config.yaml`` edited by hand (its ``SHA256SUMS`` recomputed too) is refused on resume, naming
+the keys that differ.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from ragen_core.config import RagenConfig, flatten, load_config
+from ragen_core.config import RagenConfig, config_hash, flatten, load_config
 from ragen_core.errors import RagenError
 
 #: Keys a resume may change (exact keys, or prefixes ending in a dot).
@@ -59,6 +64,7 @@ def resume_config(
     ``config`` (a YAML file) and ``overrides`` are applied as for a new run; the result may differ
     from ``stored`` only in :data:`RESUMABLE` keys, else :class:`ResumeError`.
     """
+    check_config_unchanged(run_root, stored)
     overrides = list(overrides)
     if config is None and not overrides:
         return stored, {}
@@ -86,3 +92,28 @@ def resume_config(
             f"{last_complete} complete iterations; give trainer.iterations >= {last_complete}"
         )
     return given, changes
+
+
+def check_config_unchanged(run_root: Path, stored: RagenConfig) -> None:
+    """:class:`ResumeError` when ``config.yaml`` (read as ``stored``) is not the config ragen recorded
+    in ``run.json``: the keys that differ, and the fix. A run made before the keys were recorded is
+    not checked (a key added to the schema since then changes the hash without any edit)."""
+    try:
+        info = json.loads((run_root / "run.json").read_text())
+    except (OSError, ValueError):
+        return  # reading run.json is the run directory's own check, with its own message
+    recorded, keys = info.get("config_hash"), info.get("config_keys")
+    if not recorded or not isinstance(keys, dict) or config_hash(stored) == recorded:
+        return
+    now = flatten(stored)
+    differ = [k for k in sorted(keys) if now.get(k, "-") != keys[k]]
+    if not differ:
+        return
+    shown = "; ".join(f"{k}: recorded {keys[k]}, config.yaml {now.get(k, '-')}" for k in differ[:5])
+    more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    raise ResumeError(
+        f"cannot resume {run_root.name}: its config.yaml was edited after the run started ({shown}{more}; "
+        f"config_hash {recorded} in run.json, {config_hash(stored)} now). A resumed run keeps the config of "
+        "its stored iterations: restore config.yaml, or start a new run with the edited config; only "
+        f"{', '.join(RESUMABLE)}* may change, with `ragen train --resume RUN --set KEY=VALUE`"
+    )

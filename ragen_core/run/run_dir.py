@@ -21,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, load_config
+from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import RagenError
 from ragen_core.integrity import record, verify
-from ragen_core.state_folder import locate_run, run_index_path, run_not_found, state_dir
+from ragen_core.state_folder import locate_run, read_run_index, run_index_path, run_not_found, state_dir
 from ragen_core.storage import write_error
 
 
@@ -330,6 +330,7 @@ def create_run(
     name = check_run_name(name) if name else run_name(cfg)
     run_id = f"{name}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
     run = RunDir(Path(root or cfg.trainer.run_root or state_dir() / "runs") / run_id)
+    read_run_index()  # a damaged index fails before the run folder exists, not after
     try:
         run.root.mkdir(parents=True, exist_ok=False)
     except OSError as exc:
@@ -338,7 +339,8 @@ def create_run(
             "is writable and the disk has space"
         ) from exc
     record(dump_config(cfg, run.config_path))
-    run.update_info(run_id=run_id, config_hash=chash, created=time.time())
+    # the hash and keys a resume compares config.yaml with (ragen_core.run.resume)
+    run.update_info(run_id=run_id, config_hash=chash, config_keys=flatten(cfg), created=time.time())
     _index_add(run_id, run.root.resolve())
     return run
 
@@ -350,7 +352,7 @@ def _index_add(run_id: str, root: Path) -> None:
     _index_path().parent.mkdir(parents=True, exist_ok=True)
     with open(_index_path().with_name(".runs.json.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        index = json.loads(_index_path().read_text()) if _index_path().exists() else {}
+        index = read_run_index()
         index[run_id] = str(root)
         atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True), record_digest=False)
 

@@ -74,3 +74,55 @@ def made_with(record: Path) -> dict[str, Any]:
         return {}
     extra = data.get("extra", {})
     return extra if isinstance(extra, dict) else {}
+
+
+def recorded_digest(record: Path, output: Path) -> str | None:
+    """The digest ``record`` holds of ``output`` when its stage wrote it (None: no readable record)."""
+    try:
+        data = json.loads(record.read_text())
+        digest = data.get("outputs", {}).get(str(output.relative_to(record.parent.parent)))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) else None
+
+
+def misplaced_rows(path: Path, k: int, record: Path) -> str | None:
+    """Why the trajectory file ``path`` of iteration (or step) ``k`` holds another iteration's rows
+    (a file copied or swapped between folders, its SHA256SUMS rewritten), else None. Trajectory schema
+    v1 files are not checked: their ``iteration`` column held the seed round."""
+    import pyarrow.parquet as pq
+
+    from ragen_core.trajectory import schema_version
+
+    try:
+        if schema_version(path) == "1":
+            return None
+        held = sorted(set(pq.read_table(path, columns=["iteration"]).column("iteration").to_pylist()))
+    except (OSError, ValueError, KeyError):
+        return None  # unreadable: the reader that follows names the damage
+    if not held or held == [k]:
+        return None
+    which = ", ".join(str(i) for i in held)
+    where = f"{path.parent.name}/{path.name}"
+    stored = recorded_digest(record, path)
+    digests = f"stored digest {stored[:12] if stored else 'none'}..., file digest {file_digest(path)[:12]}..."
+    fix = (
+        f"delete {path.parent / 'DONE'} and resume the run (`ragen train --resume`): iteration {k} is recomputed"
+        if path.name == "rollouts.parquet"
+        else "delete it and evaluate the step again"
+    )
+    return (
+        f"{where} holds iteration {which}'s rows, not iteration {k}'s ({digests}): it was copied or swapped "
+        f"from another folder, so it is neither shown nor compared; restore it from a copy, or {fix}"
+    )
+
+
+def misplaced_file(path: Path) -> str | None:
+    """:func:`misplaced_rows` for a run's trajectory file found by its place: ``iter_K/rollouts.parquet``
+    (the rollout stage's record) or ``eval/step_K.parquet`` (the evaluate stage's); None elsewhere."""
+    folder, name = path.parent.name, path.name
+    if name == "rollouts.parquet" and folder.startswith("iter_") and folder[5:].isdigit():
+        return misplaced_rows(path, int(folder[5:]), path.parent / "stages" / "rollout.json")
+    if folder == "eval" and name.startswith("step_") and name.endswith(".parquet") and name[5:-8].isdigit():
+        return misplaced_rows(path, int(name[5:-8]), path.parent / "stages" / f"step_{name[5:-8]}.json")
+    return None

@@ -116,10 +116,12 @@ def open_run(
         elif changes:
             record(dump_config(cfg, run.config_path))
             run.update_info(
+                config_hash=config_hash(cfg),  # what the next resume compares config.yaml with
+                config_keys=flatten(cfg),
                 resumes=[
                     *run.info().get("resumes", []),
                     {"at": time.time(), "changes": {k: list(v) for k, v in changes.items()}},
-                ]
+                ],
             )
             log.info("resumed with %s", ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changes.items()))
         if backend:

@@ -1,11 +1,11 @@
 """Names and tag texts as MLflow takes them: a metric, param or tag name MLflow accepts
 (:func:`metric_key`), and the ``ragen.logged_steps`` tag's list of steps (:func:`format_steps`,
-:func:`parse_steps`)."""
+:func:`parse_steps`), and the history of a param a resume changed (:func:`resumed_value_tags`)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 
@@ -40,3 +40,23 @@ def metric_key(name: str) -> str:
     parts = [p for p in key.split("/") if p not in ("", ".", "..")]
     key = "/".join(parts) or "_"
     return key[:MAX_KEY_LEN]
+
+
+#: ``ragen.resume.<param>``: the values accepted resumes gave a param, oldest first (``2 -> 4 -> 8``
+#: for ``trainer.iterations`` extended twice); MLflow keeps a param's first value.
+RESUMED_VALUES_PREFIX = "ragen.resume."
+
+
+def resumed_value_tags(
+    changed: Mapping[str, str], existing: Mapping[str, str], tags: Mapping[str, str]
+) -> dict[str, str]:
+    """The ``ragen.resume.<param>`` tags of a resume: each changed param's history (from the run's
+    ``tags``, else its first value in ``existing``), then its new value."""
+    out = {}
+    for key, value in changed.items():
+        tag = RESUMED_VALUES_PREFIX + key
+        history = tags.get(tag) or existing[key]
+        if history.rsplit(" -> ", 1)[-1] != value:
+            history = f"{history} -> {value}"
+        out[tag] = history if len(history) <= 5000 else "... " + history[-4996:]
+    return out

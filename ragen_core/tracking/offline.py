@@ -43,7 +43,7 @@ def _cut(value: str, limit: int) -> str:
     return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
-def _probe_http(uri: str, timeout_s: float) -> None:
+def probe_http(uri: str, timeout_s: float) -> None:
     """Raise ``TrackingError`` unless an HTTP server answers at ``uri`` within ``timeout_s``."""
     url = uri.rstrip("/") + "/health"
     fix = (

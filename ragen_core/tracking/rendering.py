@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ragen_core.text_safety import printable
+
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
     from rich.table import Table
@@ -178,7 +180,7 @@ def print_transcript(out: Console, index: int, t: Trajectory, kept: bool | None 
     out.print(
         Rule(
             Text(
-                f"row {index}: {t.env_tag}  group {t.group_id}  env {t.env_id}  seed {t.seed}  "
+                f"row {index}: {printable(t.env_tag)}  group {t.group_id}  env {t.env_id}  seed {t.seed}  "
                 f"{t.split} iteration {t.iteration}"
                 f"{f'  {decision.upper()} by the filter' if decision else ''}",
                 style="bold",
@@ -194,8 +196,8 @@ def print_transcript(out: Console, index: int, t: Trajectory, kept: bool | None 
     for i, m in enumerate(t.messages):
         role = m.get("role", "?")
         style = ROLE_STYLES.get(role, "white")
-        out.print(Text(f"<{role}>", style=f"bold {style}"))
-        out.print(Text(m.get("content", ""), style=style))
+        out.print(Text(f"<{printable(role)}>", style=f"bold {style}"))
+        out.print(Text(printable(m.get("content", "")), style=style))
         if role == "assistant":
             out.print(_turn_line(first + k, turns.get(i)))
             k += 1
@@ -209,7 +211,9 @@ def _turn_line(turn: int, played: Turn | None) -> Text:
 
     line = Text(f"  turn {turn + 1}: ", style="bold magenta")
     line.append(
-        f"actions [{', '.join(played.actions)}]" if played and played.actions else "no action executed"
+        printable(f"actions [{', '.join(played.actions)}]")
+        if played and played.actions
+        else "no action executed"
     )
     if played is not None:
         line.append(f"  reward {played.reward:+.2f}")
@@ -226,7 +230,7 @@ def _outcome_line(t: Trajectory, kept: bool | None) -> Text:
     result = Text("=> ").append(mark)
     result.append(
         f"  score {t.score:+.2f} (reward {t.reward:+.2f}, format penalty {t.format_penalty:+.2f})"
-        f"  turns {t.turn_count}  end reason {info.get('end_reason') or '-'}"
+        f"  turns {t.turn_count}  end reason {printable(str(info.get('end_reason') or '-'))}"
         f"  response tokens {response_tokens(t)}"
     )
     if info.get("response_truncated"):
@@ -241,6 +245,7 @@ def _outcome_line(t: Trajectory, kept: bool | None) -> Text:
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     """:func:`summarize`'s rows as a table, the ``all`` row in bold."""
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=title)
     with_kept = bool(rows) and "kept" in rows[0]
@@ -257,7 +262,7 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
         table.add_column(col, justify="left" if col == "env_tag" else "right")
     for r in rows:
         table.add_row(
-            r["tag"],
+            Text(printable(r["tag"])),  # a tag read from a file: neither markup nor control codes
             str(r["trajectories"]),
             *([str(r["kept"])] if with_kept else []),
             f"{r['success_rate']:.1%}",

@@ -18,7 +18,7 @@ What a run holds:
 * params -- the flattened config (``flatten_params``), sent 100 per ``log_batch`` (MLflow's
   limit), values cut at 6,000 characters (the full config is an artifact). On resume, keys already
   present are skipped; a key whose value changed is *not* re-logged (MLflow forbids changing a
-  param) and is listed in the tag ``ragen.resume.changed_params``.
+  param) and is listed in the tag ``ragen.resume.changed_params``; ``ragen.resume.<key>`` keeps its values.
 * metrics -- ``log_iteration(step, metrics)``: one ``log_batch`` per iteration (chunks of 1,000
   if larger) with every finite metric at ``step``; the last chunk also sets the run tag
   ``ragen.logged_steps`` (the steps logged so far, as ranges: ``0-12,14``), so a step is marked only
@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
-from ragen_core.tracking.keys import format_steps, metric_key, parse_steps
-from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, _probe_http
+from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
+from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, probe_http
 from ragen_core.tracking.store import _open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,6 +80,7 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 SKIPPED_KEY = "tracking/skipped_nonfinite"
 PARENT_TAG = "mlflow.parentRunId"
 CHANGED_PARAMS_TAG = "ragen.resume.changed_params"
+
 TABLE_STEP_TAG = "ragen.transcripts_table_step"
 TRANSCRIPTS_TABLE = "transcripts.json"
 
@@ -130,10 +131,11 @@ class Tracker:
         #: The experiment of the current run (set by ``start``); traces go there.
         self.experiment_id: str | None = None
         self._resumed = False
+        self._resumed_tags: dict[str, str] = {}  # a resumed run's tags, as it was reopened
         self._tracing: Any = None  # mlflow TracingClient on tracking_uri, made at the first trace
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
-            _probe_http(self.tracking_uri, cfg.connect_timeout_s)
+            probe_http(self.tracking_uri, cfg.connect_timeout_s)
         db = self.tracking_uri[len("sqlite:///") :] if scheme == "sqlite" else ""
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
@@ -254,10 +256,9 @@ class Tracker:
             raise self._store_error(f"start run {run_name!r}", e) from e
         self.run_id = run_id
         changed = self._log_new_params(run_id, params, existing)
-        if changed:
-            _log.warning(
-                "resumed run %s: params changed since it started (kept the first values): %s", run_id, changed
-            )
+        if changed:  # a resume refuses every change but the documented ones: record, do not warn
+            tags.update(resumed_value_tags(changed, existing, self._resumed_tags))
+            _log.info("resumed run %s with %s", run_id, ", ".join(f"{k}={v}" for k, v in changed.items()))
             tags[CHANGED_PARAMS_TAG] = ",".join(changed)
         try:
             self._log_tags(run_id, tags)
@@ -275,6 +276,7 @@ class Tracker:
                 "start a new run (no run id) or point tracking_uri at the store that holds it"
             ) from None
         existing = dict(run.data.params)
+        self._resumed_tags = dict(run.data.tags)
         self.client.update_run(run_id, status="RUNNING")
         self._logged_steps = parse_steps(run.data.tags.get(LOGGED_STEPS_TAG, "")) | {
             int(m.step) for m in self.client.get_metric_history(run_id, ITERATION_KEY)
@@ -295,13 +297,13 @@ class Tracker:
 
     def _log_new_params(
         self, run_id: str, params: Mapping[str, Any], existing: Mapping[str, str]
-    ) -> list[str]:
+    ) -> dict[str, str]:
         """Log the (flattened) ``params`` the run does not have yet; the keys whose value differs from the
-        one it has (MLflow keeps a param's first value)."""
+        one it has (MLflow keeps a param's first value), with their new values."""
         from mlflow.entities import Param
 
         flat = {metric_key(k): _cut(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
-        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != v)
+        changed = {k: v for k, v in sorted(flat.items()) if k in existing and existing[k] != v}
         new = [Param(k, v) for k, v in flat.items() if k not in existing]
         try:
             for chunk in _chunks(new, MAX_PARAMS_PER_BATCH):

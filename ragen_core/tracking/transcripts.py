@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ragen_core.text_safety import printable
 from ragen_core.tracking.rendering import filter_decision
 from ragen_core.trajectory import from_table, read_table
 
@@ -59,12 +60,18 @@ body { font-family: system-ui, sans-serif; margin: 1.5em; max-width: 70em; }
 """
 
 
+def _safe(text: str) -> str:
+    """Model text for the page: control characters shown escaped (a browser drops or mangles them,
+    and a page saved and shown with ``cat`` must not drive the terminal), then HTML-escaped."""
+    return html.escape(printable(text))
+
+
 def to_html(rows: list[dict[str, Any]], title: str) -> str:
     """A self-contained HTML page of ``rows`` (:func:`transcript_rows`): every message verbatim."""
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
+        f"<title>{_safe(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{_safe(title)}</h1>",
     ]
     for r in rows:
         outcome = "<span class='ok'>success</span>" if r["success"] else "<span class='fail'>failure</span>"
@@ -74,14 +81,14 @@ def to_html(rows: list[dict[str, Any]], title: str) -> str:
         }
         parts.append(
             "<div class='episode'><h2>"
-            f"{html.escape(str(r['env_tag']))}, seed {r['seed']}, group {r['group_id']}: {outcome}, "
+            f"{_safe(str(r['env_tag']))}, seed {r['seed']}, group {r['group_id']}: {outcome}, "
             f"score {r['score']:+.3f}, {r['turns']} turn(s)"
             f"{', ' + decision[r['filter']] if r['filter'] else ''}</h2>"
         )
         for m in r["messages"]:
-            role = html.escape(m["role"])
+            role = _safe(m["role"])
             parts.append(
-                f"<div class='msg {role}'><span class='role'>{role}</span>\n{html.escape(m['content'])}</div>"
+                f"<div class='msg {role}'><span class='role'>{role}</span>\n{_safe(m['content'])}</div>"
             )
         parts.append("</div>")
     parts.append("</body></html>")
