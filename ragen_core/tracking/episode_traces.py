@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from ragen_core.text_safety import printable
 from ragen_core.tracking.rendering import Turn, row_info, turns_of
 from ragen_core.trajectory import read_table
 
@@ -217,10 +218,11 @@ def build_trace(
 
 
 def _preview(text: str) -> str:
-    """A preview column's text. Model text may hold NUL bytes, which PostgreSQL's text columns refuse
-    (MLflow's server on PostgreSQL rejected a whole batch of traces for one), so they are shown
-    escaped; the spans keep the text as JSON, where NUL is already escaped."""
-    return text[:PREVIEW_CHARS].replace("\x00", "\\x00")
+    """A preview column's text, control characters shown escaped (:func:`printable`): the previews
+    are shown raw in MLflow's trace list, and PostgreSQL's text columns refuse NUL (MLflow's server on
+    PostgreSQL rejected a whole batch of traces for one). The spans keep the text as JSON, where
+    control characters are already escaped."""
+    return printable(text[:PREVIEW_CHARS])
 
 
 def _root_span(

@@ -210,7 +210,7 @@ def test_nul_bytes_of_model_text_are_escaped_in_the_previews_postgresql_stores()
     row["messages"][2]["content"] = "<answer>Up\x00</answer>"
     info, spans = build_trace(row, step=1, experiment_id="0", mlflow_run_id="r", start_ms=0)
     assert "\x00" not in info.request_preview + info.response_preview  # type: ignore[operator]
-    assert "\\x00state" in info.request_preview and info.response_preview == "<answer>Up\\x00</answer>"  # type: ignore[operator]
+    assert "\\0state" in info.request_preview and info.response_preview == "<answer>Up\\0</answer>"  # type: ignore[operator]
     assert all("\x00" not in v for s in spans for v in s.to_dict()["attributes"].values())
 
 
