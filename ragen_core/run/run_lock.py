@@ -35,6 +35,15 @@ class RunLockedError(RagenError, RuntimeError):
 _TEMP_MARKERS = (".tmp-", ".old-")
 
 
+#: The runs this process has locked, in order (the CLI's Ctrl-C message names the run to resume).
+_LOCKED_HERE: list[Path] = []
+
+
+def runs_locked_here() -> list[Path]:
+    """The run folders this process has held the lock of (released or not), oldest first."""
+    return list(_LOCKED_HERE)
+
+
 class RunLock:
     """``with RunLock(run_root):`` holds the run's lock, or raises :class:`RunLockedError`."""
 
@@ -74,6 +83,8 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        if self.root not in _LOCKED_HERE:
+            _LOCKED_HERE.append(self.root)
         remove_stale_temp_files(self.root)
         return self
 
