@@ -28,6 +28,7 @@ from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
+from ragen_core.safe_yaml import AliasBombError, safe_load
 
 #: The config ``ragen train`` trains when none is given (the README's main job).
 DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
@@ -523,7 +524,9 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = safe_load(p.read_text()) or {}
+        except AliasBombError as exc:
+            raise ConfigError(f"config file {p}: {exc}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
