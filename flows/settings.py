@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from ragen_core.priority import lower_priority, nice_increment
-from ragen_core.state_folder import state_dir
+from ragen_core.state_folder import check_state_dir, state_dir
 
 STATE_DIR = state_dir()
 
@@ -109,6 +109,7 @@ def start_watchdog() -> str | None:
 
 def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Path:
     state = Path(state_dir or STATE_DIR).resolve()
+    check_state_dir(state)  # before anything is made in it or beside it
     state.mkdir(parents=True, exist_ok=True)
     defaults = {
         "PREFECT_HOME": str(state / "prefect"),

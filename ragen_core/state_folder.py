@@ -17,6 +17,25 @@ def state_dir() -> Path:
     return Path(os.environ.get(STATE_ENV, DEFAULT_STATE_DIR))
 
 
+#: Characters a state folder's path may not hold: the local MLflow and Prefect databases are opened by
+#: ``sqlite:///<state>/...`` URLs, where ``?`` starts the query (both databases then landed in one
+#: file beside the folder), ``#`` a fragment, and ``%`` an escape.
+URL_SPECIAL = "?#%"
+
+
+def check_state_dir(state: str | os.PathLike[str]) -> None:
+    """Refuse (``ValueError``, one line naming the folder and the fix) a state folder whose path the
+    databases' URLs cannot hold."""
+    path = str(Path(state).resolve())
+    bad = sorted({c for c in path if c in URL_SPECIAL})
+    if bad:
+        raise ValueError(
+            f"state folder {path} ({STATE_ENV}) holds {' '.join(repr(c) for c in bad)}, which the "
+            f"databases' URLs (sqlite:///...) cannot carry; set {STATE_ENV} to a folder without "
+            f"{' '.join(URL_SPECIAL)}"
+        )
+
+
 def models_dir(state: str | os.PathLike[str] | None = None) -> Path:
     """``<state>/models``, where ``ragen model import`` puts models: ``state`` or the state folder."""
     return Path(state if state is not None else state_dir()) / "models"

@@ -172,6 +172,12 @@ def prepare() -> Path:
     from flows.settings import STATE_DIR, configure_environment
     from ragen_core.progress import PROGRESS_ENV, show_progress_lines
 
+    from ragen_core.state_folder import check_state_dir
+
+    try:
+        check_state_dir(STATE_DIR)
+    except ValueError as exc:
+        fail(str(exc))
     try:
         state = configure_environment()
         os.environ.setdefault(PROGRESS_ENV, "1")  # long rollouts print progress, in Ray actors too
