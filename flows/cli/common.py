@@ -171,7 +171,6 @@ def prepare() -> Path:
 
     from flows.settings import STATE_DIR, configure_environment
     from ragen_core.progress import PROGRESS_ENV, show_progress_lines
-
     from ragen_core.state_folder import check_state_dir
 
     try:
