@@ -13,14 +13,19 @@ servers) die with it, even when it is SIGKILLed and cannot clean up.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from ragen_core.priority import lower_priority, nice_increment
-from ragen_core.state_folder import state_dir
+from ragen_core.state_folder import check_state_dir, state_dir
 
 STATE_DIR = state_dir()
 
@@ -104,6 +109,7 @@ def start_watchdog() -> str | None:
 
 def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Path:
     state = Path(state_dir or STATE_DIR).resolve()
+    check_state_dir(state)  # before anything is made in it or beside it
     state.mkdir(parents=True, exist_ok=True)
     defaults = {
         "PREFECT_HOME": str(state / "prefect"),
@@ -140,7 +146,70 @@ def configure_environment(state_dir: str | os.PathLike[str] | None = None) -> Pa
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     start_watchdog()
+    serve_ephemeral_server_in_own_session()
     return state
+
+
+#: Prefect's module that starts the ephemeral server (``SubprocessASGIServer``).
+_SERVER_MODULE = "prefect.server.api.server"
+
+
+class _OwnSessionPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """``subprocess.Popen`` that starts its process in a session of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("start_new_session", True)
+        super().__init__(*args, **kwargs)
+
+
+class _OwnSessionSubprocess(ModuleType):
+    """Prefect's server module's view of ``subprocess``: the same, but its Popen starts a new session."""
+
+    Popen = _OwnSessionPopen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def _patch_server_module(module: ModuleType) -> None:
+    module.subprocess = _OwnSessionSubprocess("subprocess")  # type: ignore[attr-defined]
+
+
+class _ServerModuleFinder(importlib.abc.MetaPathFinder):
+    """Patches Prefect's server module as it is imported (importing it costs ~3 s, paid only where
+    Prefect starts an ephemeral server anyway)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _SERVER_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            _patch_server_module(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def serve_ephemeral_server_in_own_session() -> None:
+    """Start Prefect's ephemeral server (when Prefect starts one) in a session of its own.
+
+    In the terminal's foreground process group, Ctrl-C (or ``timeout``'s group SIGTERM) stopped the
+    server first; the flow, unwinding, then spent minutes retrying its final state updates against
+    it and ended on a connection error. Out of the group, the server outlives the flow's unwinding
+    and Prefect's exit hook stops it; the watchdog stops it when this process is SIGKILLed.
+    """
+    if _SERVER_MODULE in sys.modules:
+        _patch_server_module(sys.modules[_SERVER_MODULE])
+    elif not any(isinstance(f, _ServerModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ServerModuleFinder())
 
 
 #: How much lower than training the ephemeral Prefect server runs (``nice`` increment, 0 to 19; 0

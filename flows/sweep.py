@@ -71,7 +71,7 @@ from ragen_core.sweep.spec import (
     sweep_hash,
     validate_members,
 )
-from ragen_core.sweep.state import MemberState, SweepState
+from ragen_core.sweep.state import MemberState, SweepState, sweep_lock
 from ragen_core.sweep.tags import (
     COMPARE_TAG,
     DESCRIPTION_TAG,
@@ -184,6 +184,17 @@ class _Sweep:
         self.state_path = self.folder / "state.json"
         self.lock = threading.Lock()
         self.log = _log()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # One `ragen sweep run` of a sweep at a time (two trained every member twice, and the last
+        # to save state.json orphaned the other's runs); released at the end of run_sweep.
+        self.sweep_lock = sweep_lock(self.folder).acquire()
+        try:
+            self._open(request, state_dir)
+        except BaseException:
+            self.sweep_lock.release()
+            raise
+
+    def _open(self, request: SweepRequest, state_dir: Path) -> None:
         old = SweepState.load(self.state_path)
         if old is not None and not request.resume:
             os.replace(self.state_path, self.folder / f"state.{time.strftime('%Y%m%d-%H%M%S')}.json")
@@ -434,6 +445,13 @@ def run_sweep(
     (tests); by default members train in this process (concurrency 1) or in their own processes."""
     state = configure_environment(state_dir)
     s = _Sweep(request, train_fn, state)
+    try:
+        return _run(s)
+    finally:
+        s.sweep_lock.release()
+
+
+def _run(s: _Sweep) -> dict[str, Any]:
     name_flow_run(f"sweep/{s.folder.name}", s.log)
     parent = s.start_parent()
     log = s.log

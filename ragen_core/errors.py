@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 
 __all__ = [
@@ -141,14 +142,25 @@ def _os_message(exc: OSError) -> str:
     return f"{where}: {exc.strerror}" + (f"; {fix}" if fix else "")
 
 
+#: Terminal escape sequences (colours, cursor moves, titles): Ray colours the remote traceback and the
+#: actor name it puts in an error's text, which then reached the user as raw ``\x1b[36m``.
+_ESCAPES = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)?|[@-Z\\-_])")
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal escape sequences."""
+    return _ESCAPES.sub("", text)
+
+
 def describe(exc: BaseException) -> str:
-    """What the CLI prints: the user error's own message, or one ``internal error`` line."""
+    """What the CLI prints: the user error's own message, or one ``internal error`` line (either
+    without terminal escape sequences: an error relayed from a Ray actor carries Ray's colours)."""
     exc = root_cause(exc)
     if is_user_error(exc):
         if isinstance(exc, OSError) and not _known(exc) and not getattr(type(exc), "user_error", False):
-            return _os_message(exc)
-        return str(exc) or type(exc).__name__
-    text = " ".join(str(exc).split())
+            return plain(_os_message(exc))
+        return plain(str(exc)) or type(exc).__name__
+    text = " ".join(plain(str(exc)).split())
     if len(text) > 500:
         text = text[:500] + " ..."
     return f"internal error: {type(exc).__name__}: {text} (rerun with --debug for the traceback)"

@@ -6,6 +6,7 @@ user cache folder, which outlives state folders and clones (the vLLM venv, the e
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 STATE_ENV = "RAGEN_STATE_DIR"
@@ -15,6 +16,26 @@ DEFAULT_STATE_DIR = ".state"
 def state_dir() -> Path:
     """The state folder, as the environment says now (not resolved: relative stays relative)."""
     return Path(os.environ.get(STATE_ENV, DEFAULT_STATE_DIR))
+
+
+#: What a state folder's path may not hold: the local MLflow and Prefect databases are opened by
+#: ``sqlite:///<state>/...`` URLs, whose parser (SQLAlchemy's) takes ``?`` as the start of the query
+#: (both databases then landed in one file beside the folder) and ``%XX`` as an escape. (``#``, and a
+#: ``%`` not followed by two hex digits, reach the file name as they are: runs work there.)
+_URL_BREAKING = re.compile(r"\?|%[0-9A-Fa-f]{2}")
+
+
+def check_state_dir(state: str | os.PathLike[str]) -> None:
+    """Refuse (``ValueError``, one line naming the folder and the fix) a state folder whose path the
+    databases' URLs cannot carry."""
+    path = str(Path(state).resolve())
+    bad = sorted(set(_URL_BREAKING.findall(path)))
+    if bad:
+        raise ValueError(
+            f"state folder {path} ({STATE_ENV}) holds {' '.join(repr(c) for c in bad)}, which the "
+            f"databases' URLs (sqlite:///...) cannot carry; set {STATE_ENV} to a folder without '?' "
+            "or '%' followed by two hex digits"
+        )
 
 
 def models_dir(state: str | os.PathLike[str] | None = None) -> Path:

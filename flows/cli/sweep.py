@@ -110,13 +110,19 @@ def sweep_run(
 
     Exits 2 when a member failed (the others still ran; the report lists the failure).
     """
-    prepare()
+    state = prepare()
     from ragen_core.sweep.spec import SweepError, expand, load_sweep
 
     try:  # a broken sweep file fails before Prefect starts
-        expand(load_sweep(path))
+        sweep = load_sweep(path)
+        expand(sweep)
     except SweepError as exc:
         fail(str(exc))
+    from ragen_core.sweep.state import SweepState, sweep_lock
+
+    folder = SweepState.folder(state, sweep)
+    if folder.is_dir():  # a run of this sweep in flight: say so now, not after Prefect has started
+        sweep_lock(folder).acquire().release()
     if deployment and not os.environ.get("PREFECT_API_URL"):
         fail(
             "--deployment: the members run on a Prefect server's workers, and PREFECT_API_URL is not set; "

@@ -22,12 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ragen_core.algorithm_modes import SPREAD_FILTER_METRICS, kept_group_count
 from ragen_core.config.learner import LearnerConfig
 from ragen_core.config.model import ModelConfig
+from ragen_core.config.numbers import MAX_ITERATIONS, non_finite_problems
 from ragen_core.config.sft import SFTConfig
 from ragen_core.config.tracking import TrackingConfig, flatten_params
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
 from ragen_core.monitor import MonitorConfig
 from ragen_core.protocol import ProtocolConfig
+from ragen_core.safe_yaml import AliasBombError, safe_load
 
 #: The config ``ragen train`` trains when none is given (the README's main job).
 DEFAULT_CONFIG = "configs/bandit-tiny.yaml"
@@ -238,7 +240,12 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_name: str | None = Field(default=None, description="default: <config name>-<hash>")
-    iterations: int = Field(default=200, ge=0, description="rollout-update iterations")
+    iterations: int = Field(
+        default=200,
+        ge=0,
+        le=MAX_ITERATIONS,
+        description=f"rollout-update iterations (at most {MAX_ITERATIONS}: folders are named iter_0001...)",
+    )
     eval_every: int = Field(default=10, ge=0, description="validate every k iterations (0: only at the ends)")
     val_before_train: bool = Field(default=True)
     seed: int = Field(default=0, description="the run's seed: sampling, shuffles, inits")
@@ -315,6 +322,13 @@ class RagenConfig(BaseModel):
     sft: SFTConfig | None = Field(default=None, description="supervised warm start before RL (None: off)")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="after")
+    def _finite(self) -> RagenConfig:
+        problems = non_finite_problems(self.model_dump())
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _combinations(self) -> RagenConfig:
@@ -523,7 +537,9 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = safe_load(p.read_text()) or {}
+        except AliasBombError as exc:
+            raise ConfigError(f"config file {p}: {exc}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

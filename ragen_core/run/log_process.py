@@ -17,8 +17,8 @@ Failures:
   nothing queued after it runs;
 - a logging process that died (killed, out of memory) takes the training process's tracker offline,
   naming its exit code: training goes on and a resume logs what is missing;
-- Ctrl-C is the training process's to handle (the logging process ignores SIGINT; the training
-  process's exit flushes it). A training process that dies closes the socket: the logging process
+- Ctrl-C is the training process's to handle (the logging process runs in a session of its own,
+  out of the terminal's process group, and ignores SIGINT; the training process's exit flushes it). A training process that dies closes the socket: the logging process
   logs what it had received and exits (under the ``ragen`` commands, whose watchdog stops every
   child of a dead process, it is stopped within a second or two; a step it had not finished is
   re-logged whole by a resume, since its marker goes with its last metrics). While it lives it
@@ -118,6 +118,10 @@ class ProcessStepLog:
                 pass_fds=(theirs.fileno(), lock),
                 stdin=subprocess.DEVNULL,
                 env=env,
+                # Out of the terminal's process group: Ctrl-C or a group SIGTERM is the training
+                # process's to handle (it flushes and closes this one); delivered here too, it broke
+                # the process mid-import with a KeyboardInterrupt traceback.
+                start_new_session=True,
             )
             lower_priority(self.process.pid, nice)
         finally:

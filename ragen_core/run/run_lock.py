@@ -35,12 +35,27 @@ class RunLockedError(RagenError, RuntimeError):
 _TEMP_MARKERS = (".tmp-", ".old-")
 
 
-class RunLock:
-    """``with RunLock(run_root):`` holds the run's lock, or raises :class:`RunLockedError`."""
+#: The runs this process has locked, in order (the CLI's Ctrl-C message names the run to resume).
+_LOCKED_HERE: list[Path] = []
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+
+def runs_locked_here() -> list[Path]:
+    """The run folders this process has held the lock of (released or not), oldest first."""
+    return list(_LOCKED_HERE)
+
+
+class RunLock:
+    """``with RunLock(run_root):`` holds the run's lock, or raises :class:`RunLockedError`.
+
+    ``what`` names the folder's owner in the refusal (``run``; a sweep's state folder is locked the
+    same way, as ``sweep``, by each ``ragen sweep run`` for as long as it runs its members) and
+    ``again`` the command to run once the holder is gone.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], what: str = "run", again: str = "resume") -> None:
         self.root = Path(root)
         self.path = self.root / "LOCK"
+        self.what, self.again = what, again
         self._fd: int | None = None
 
     def holder(self) -> dict[str, Any]:
@@ -62,8 +77,8 @@ class RunLock:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(h["started"])) if "started" in h else "?"
             )
             raise RunLockedError(
-                f"{self.root}: run is in use by process {h.get('pid', '?')} on {h.get('host', '?')} "
-                f"(since {since}: {h.get('command', '?')}); wait for it to finish or stop it, then resume"
+                f"{self.root}: {self.what} is in use by process {h.get('pid', '?')} on {h.get('host', '?')} "
+                f"(since {since}: {h.get('command', '?')}); wait for it to finish or stop it, then {self.again}"
             ) from None
         info = {
             "pid": os.getpid(),
@@ -74,6 +89,8 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd
+        if self.what == "run" and self.root not in _LOCKED_HERE:
+            _LOCKED_HERE.append(self.root)
         remove_stale_temp_files(self.root)
         return self
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ragen_core.safe_yaml import AliasBombError, safe_load
+
 if TYPE_CHECKING:  # pragma: no cover
     from ragen_core.config import RagenConfig
 
@@ -155,7 +157,9 @@ def load_sweep(path: str | os.PathLike[str]) -> SweepConfig:
     if not p.is_file():
         raise SweepError(f"sweep file {p} not found")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = safe_load(p.read_text()) or {}
+    except AliasBombError as exc:
+        raise SweepError(f"sweep file {p}: {exc}") from None
     except yaml.YAMLError as exc:
         raise SweepError(f"sweep file {p} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):

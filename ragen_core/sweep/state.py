@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from ragen_core.run.run_lock import RunLock
 from ragen_core.sweep.spec import SweepConfig, sweep_hash
 
 MemberStatus = Literal["pending", "running", "finished", "failed"]
@@ -58,3 +59,10 @@ class SweepState(BaseModel):
         tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
         tmp.write_text(self.model_dump_json(indent=2))
         os.replace(tmp, p)
+
+
+def sweep_lock(folder: str | os.PathLike[str]) -> RunLock:
+    """The lock of the sweep whose state is in ``folder`` (``<folder>/LOCK``, the run lock's code):
+    one ``ragen sweep run`` holds it while it runs the members, so a second one of the same sweep is
+    refused, naming the holder; the kernel drops it when its holder dies, and the next run takes over."""
+    return RunLock(folder, what="sweep", again="run it again (it resumes)")
