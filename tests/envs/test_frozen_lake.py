@@ -6,7 +6,6 @@ See docs/architecture.md, "Environment API".
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter, deque
 
 import gymnasium
@@ -278,29 +277,3 @@ def test_oracle_value_iteration_properties() -> None:
                 break
     with pytest.raises(ValueError):
         optimal_policy(env, horizon=None, gamma=1.0)
-
-
-def test_step_is_faster_than_gymnasium() -> None:
-    env = envs.make("FrozenLake")
-    env.reset(0)
-    ref = gym_env(env.desc)
-    ref.reset(seed=0)
-    n = 20_000
-
-    def ours() -> float:
-        t = time.perf_counter()
-        for i in range(n):
-            if env.step(ACTIONS[i & 3]).done:
-                env.reset(0)
-        return time.perf_counter() - t
-
-    def theirs() -> float:
-        t = time.perf_counter()
-        for i in range(n):
-            if ref.step(i & 3)[2]:
-                ref.reset(seed=0)
-        return time.perf_counter() - t
-
-    t_ours, t_theirs = min(ours() for _ in range(3)), min(theirs() for _ in range(3))
-    print(f"steps/s: ours {n / t_ours:,.0f}, gymnasium {n / t_theirs:,.0f}")
-    assert t_ours < t_theirs
