@@ -125,7 +125,10 @@ class WorkerDispatch:
         if e.flow_run_id and e.status == "running":
             state = client.read_flow_run(UUID(e.flow_run_id)).state
             if state is not None and not state.is_final():
-                self.sweep.log.info("sweep: member %s is still in flight (flow run %s)", m.key, e.flow_run_id)
+                # worth a warning: an earlier sweep process of this sweep died with its members in flight
+                self.sweep.log.warning(
+                    "sweep: member %s is still in flight (flow run %s): waiting for it", m.key, e.flow_run_id
+                )
                 return UUID(e.flow_run_id)
         try:
             request = self.sweep.prepare(m).model_copy(update={"concurrency_limit": self.limit})

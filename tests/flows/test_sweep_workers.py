@@ -1,10 +1,12 @@
 """The team setup of docs/deployments.md on a real database: PostgreSQL (Debian's package, a private
 cluster), a Prefect server and an MLflow server on it (local artifact root), the deployments of
 prefect.yaml and two process workers; a three-member sweep dispatched as runs of the ragen-train
-deployment, two at a time under a global concurrency limit. One worker is killed mid-member: the
-sweep finds the member lost, crashes its flow run and dispatches it again, and it resumes; every
-member's metrics are in MLflow exactly once and every run folder is complete. Before any worker is
-up the sweep says what its members wait for. About 4 minutes on 2 cores.
+deployment, two at a time under a global concurrency limit. Before any worker is up the sweep says
+what its members wait for; then its own process is killed, and the sweep run again attaches to the
+members in flight (no second dispatch) while holding the sweep's lock (a third run is refused). One
+worker is killed mid-member: the sweep finds the member lost, crashes its flow run and dispatches it
+again, and it resumes; every member's metrics are in MLflow exactly once and every run folder is
+complete. About 4-5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import urllib.parse
@@ -133,7 +136,8 @@ def test_team_setup_on_postgresql_survives_a_dead_worker(tmp_path: Path) -> None
         }
     )
     logs = {
-        n: tmp_path / f"{n}.log" for n in ("postgres", "mlflow", "prefect", "sweep", "worker-1", "worker-2")
+        n: tmp_path / f"{n}.log"
+        for n in ("postgres", "mlflow", "prefect", "sweep-1", "sweep", "worker-1", "worker-2")
     }
     with postgres_server(logs["postgres"], ["prefect", "mlflow"]) as pg:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = pg.url("prefect", driver="asyncpg")
@@ -159,10 +163,21 @@ def run_sweep_with_a_dead_worker(
 
     sweep_cmd = [sys.executable, "-m", "flows.cli", "sweep", "run", str(sweep_file(tmp_path))]
     sweep_cmd += ["--deployment", DEPLOYMENT, "--concurrency-limit", LIMIT]
+    with group(sweep_cmd, logs["sweep-1"], env=env, cwd=ROOT) as first:
+        # no worker yet: the sweep says so, and how to start one (every member is dispatched by then)
+        wait_for_line(logs["sweep-1"], f"no worker of work pool '{POOL}' is online", first, 120)
+        assert f"prefect worker start --pool {POOL}" in logs["sweep-1"].read_text()
+        os.killpg(first.pid, signal.SIGKILL)  # the sweep's own process dies with its members in flight
+        first.wait(timeout=30)
     with group(sweep_cmd, logs["sweep"], env=env, cwd=ROOT) as sweep:
-        # no worker yet: the sweep says so, and how to start one
-        wait_for_line(logs["sweep"], f"no worker of work pool '{POOL}' is online", sweep, 120)
-        assert f"prefect worker start --pool {POOL}" in logs["sweep"].read_text()
+        # run again, it attaches to the three flow runs in flight instead of dispatching them twice
+        for key in ("a-s0", "b-s0", "c-s0"):
+            wait_for_line(logs["sweep"], f"member {key} is still in flight", sweep, 120)
+        # and holds the sweep's lock: a third run refuses in one line, naming the holder
+        third = subprocess.run(sweep_cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert third.returncode != 0 and f"in use by process {sweep.pid}" in third.stdout + third.stderr, (
+            third
+        )
         # --limit 1: one member per worker, as docs/deployments.md runs them
         worker = [prefect, "worker", "start", "--pool", POOL, "--type", "process", "--limit", "1"]
         with (
