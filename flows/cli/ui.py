@@ -94,6 +94,10 @@ def _start_servers(uri: str, state: Path, mlflow_port: int, prefect_port: int) -
         "--port",
         str(prefect_port),
     ]
+    # The Prefect UI asks the API at PREFECT_UI_API_URL, which Prefect derives from its settings, not
+    # from --port: without these the UI of a server on another port calls 127.0.0.1:4200.
+    prefect_env = {**env, "PREFECT_SERVER_API_PORT": str(prefect_port)}
+    prefect_env.setdefault("PREFECT_UI_API_URL", f"http://127.0.0.1:{prefect_port}/api")
     return {
         "MLflow UI": (
             subprocess.Popen(mlflow, env=env, start_new_session=True),
@@ -101,7 +105,7 @@ def _start_servers(uri: str, state: Path, mlflow_port: int, prefect_port: int) -
             "/health",
         ),
         "Prefect server": (
-            subprocess.Popen(prefect, env=env, start_new_session=True),
+            subprocess.Popen(prefect, env=prefect_env, start_new_session=True),
             f"http://127.0.0.1:{prefect_port}",
             "/api/health",
         ),

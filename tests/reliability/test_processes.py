@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,9 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
             )
             time.sleep(0.5)
         assert f"http://127.0.0.1:{mlflow_port}" in out.read_text()
+        # the Prefect UI calls the API on the port given, not Prefect's default 4200
+        with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=30) as r:
+            assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{prefect_port}/api"
         mlflow = [
             pid for pid, cmd in procs.tree(marker).items() if "mlflow server" in cmd and pid != proc.pid
         ]
