@@ -67,8 +67,15 @@ def _ray_actor_lost(task: Task[..., Any], task_run: TaskRun, state: State[Any]) 
 
 # Every stage task: cache_policy=NO_CACHE, persist_result=False (no cache, no stored result: see the
 # module docstring).
+# Task runs are named after their iteration (``learn-3``), so Prefect's list of a run's task runs
+# reads as the run's iterations, not as Prefect's random suffixes.
 @task(
-    name="rollout", retries=1, retry_condition_fn=_ray_actor_lost, cache_policy=NO_CACHE, persist_result=False
+    name="rollout",
+    task_run_name="rollout-{k}",
+    retries=1,
+    retry_condition_fn=_ray_actor_lost,
+    cache_policy=NO_CACHE,
+    persist_result=False,
 )
 def rollout_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
@@ -77,7 +84,7 @@ def rollout_task(run_root: str, k: int) -> dict[str, Any]:
     return {"path": str(path), "metrics": metrics}
 
 
-@task(name="filter", cache_policy=NO_CACHE, persist_result=False)
+@task(name="filter", task_run_name="filter-{k}", cache_policy=NO_CACHE, persist_result=False)
 def filter_task(run_root: str, k: int) -> dict[str, Any]:
     run = RunDir(run_root)
     kept, metrics = stages.filter_stage(session_for(run).cfg, run, k)
@@ -88,7 +95,12 @@ def filter_task(run_root: str, k: int) -> dict[str, Any]:
 
 
 @task(
-    name="learn", retries=1, retry_condition_fn=_ray_actor_lost, cache_policy=NO_CACHE, persist_result=False
+    name="learn",
+    task_run_name="learn-{k}",
+    retries=1,
+    retry_condition_fn=_ray_actor_lost,
+    cache_policy=NO_CACHE,
+    persist_result=False,
 )
 def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
     run = RunDir(run_root)
@@ -99,6 +111,7 @@ def learn_task(run_root: str, k: int, kept: list[int]) -> dict[str, Any]:
 
 @task(
     name="evaluate",
+    task_run_name="evaluate-step-{step}",
     retries=1,
     retry_condition_fn=_ray_actor_lost,
     cache_policy=NO_CACHE,

@@ -186,6 +186,14 @@ def test_the_flow_run_links_its_mlflow_run_and_shows_progress(reference: tuple[P
     progress = arts[f"progress-{key}"]
     assert progress["type"] == "progress" and progress["data"] == 100.0
     assert progress["description"].startswith("iteration 3/3 | train success")
+    # the run's task runs are named after their iterations, not Prefect's random suffixes
+    [flow_run] = prefect_api(
+        "/flow_runs/filter", {"flow_runs": {"name": {"any_": [f"train/{info['run_id']}"]}}}
+    )
+    tasks = prefect_api("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+    names = {t["name"] for t in tasks}
+    assert {f"{stage}-{k}" for stage in ("rollout", "filter", "learn") for k in (1, 2, 3)} <= names, names
+    assert "evaluate-step-0" in names, names
 
 
 def test_the_kept_policies_are_logged_models_registered_with_aliases(
