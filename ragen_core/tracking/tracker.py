@@ -321,6 +321,8 @@ class Tracker:
     def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
         """The run's page in the MLflow UI: on the tracking server itself, or for a local store on the UI
         that ``ragen ui`` starts (``local_ui``). None when the store cannot be read (offline)."""
+        if self.offline is not None:  # no retry sequence against a store known to be down
+            return None
         try:
             experiment = self.client.get_run(run_id).info.experiment_id
         except Exception:  # a link is a courtesy: no store, no link
