@@ -64,6 +64,7 @@ from ragen_core.tracking.offline import (
     TrackingError,
     _cut,
     _failure_reason,
+    deleted_run_message,
     probe_http,
 )
 from ragen_core.tracking.store import _open_sqlite_client
@@ -281,6 +282,8 @@ class Tracker:
                 f"cannot resume MLflow run {run_id}: not found in {self.tracking_uri} ({e}); "
                 "start a new run (no run id) or point tracking_uri at the store that holds it"
             ) from None
+        if run.info.lifecycle_stage == "deleted":  # MLflow refuses to reopen it: say how to go on
+            raise TrackingError(deleted_run_message(self.tracking_uri, run_id))
         existing = dict(run.data.params)
         self._resumed_tags = dict(run.data.tags)
         self.client.update_run(run_id, status="RUNNING")
