@@ -191,7 +191,7 @@ class Tracker:
             return None
         return (
             f"{self.offline}; the run directory {Path(run_dir)} keeps every finished iteration; once the "
-            f"server is back, `ragen train --resume {run_id}` logs what is missing"
+            f"store works again, `ragen train --resume {run_id}` logs what is missing"
         )
 
     def _artifact_location(self) -> str | None:
