@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ragen_core.config.learner import LearnerConfig
 from ragen_core.errors import RagenError, ray_actor_lost
+from ragen_core.learner import ray_sessions
 from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.update import Learner
 from ragen_core.state_folder import state_dir
@@ -203,7 +204,7 @@ def init_ray(
             if num_cpus is None:
                 num_cpus = local_cluster_cpus()
             _token_auth()
-            _clear_stale_sessions()
+            ray_sessions.remove_stale_sessions()
             with _loopback_node():
                 # "local": a new cluster. Without it ray.init() joins whatever cluster another process
                 # registered in /tmp/ray, and then refuses num_cpus ("When connecting to an existing
@@ -218,7 +219,7 @@ def init_ray(
                     logging_level=logging.WARNING,
                     log_to_driver=True,
                 )
-            _own_session()
+            ray_sessions.claim_new_session()
             node_ip = node_ip_address()
             if not ipaddress.ip_address(node_ip).is_loopback:
                 ray.shutdown()
@@ -228,21 +229,6 @@ def init_ray(
                 )
     resources: dict[str, Any] = ray.cluster_resources()
     return resources
-
-
-def _clear_stale_sessions() -> None:
-    from ray._common.utils import get_default_ray_temp_dir
-
-    from ragen_core.learner.ray_sessions import remove_stale_sessions
-
-    remove_stale_sessions(get_default_ray_temp_dir())
-
-
-def _own_session() -> None:
-    """The new cluster's session folder goes when this process ends (``ragen_core.learner.ray_sessions``)."""
-    from ragen_core.learner.ray_sessions import claim_session
-
-    claim_session(ray._private.worker._global_node.get_session_dir_path())
 
 
 @contextlib.contextmanager

@@ -36,13 +36,18 @@ def _start_time(pid: int) -> str | None:
 def _owner_alive(session: Path) -> bool:
     try:
         owner = json.loads((session / OWNER_FILE).read_text())
-        return _start_time(int(owner["pid"])) == owner["start"]
+        return bool(_start_time(int(owner["pid"])) == owner["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return True  # unreadable: not ours to judge, keep it
 
 
-def remove_stale_sessions(temp_dir: str | os.PathLike[str]) -> list[Path]:
-    """Remove the session folders under ``temp_dir`` of our clusters whose process is gone; the removed."""
+def remove_stale_sessions(temp_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the session folders under ``temp_dir`` (default: Ray's, ``$RAY_TMPDIR/ray`` or
+    ``/tmp/ray``) of our clusters whose process is gone; returns the removed."""
+    if temp_dir is None:
+        from ray._common.utils import get_default_ray_temp_dir
+
+        temp_dir = get_default_ray_temp_dir()
     removed = []
     for session in sorted(Path(temp_dir).glob("session_*")):
         if session.is_symlink() or not (session / OWNER_FILE).is_file() or _owner_alive(session):
@@ -57,6 +62,15 @@ def _drop_dangling_latest(temp_dir: Path) -> None:
     latest = temp_dir / "session_latest"
     if latest.is_symlink() and not latest.exists():
         latest.unlink(missing_ok=True)
+
+
+def claim_new_session() -> None:
+    """:func:`claim_session` of the cluster ``ray.init`` just started in this process."""
+    import ray
+
+    node = ray._private.worker._global_node
+    if node is not None:
+        claim_session(node.get_session_dir_path())
 
 
 def claim_session(session: str | os.PathLike[str]) -> None:
