@@ -1,6 +1,7 @@
-"""The fault matrix: kills, concurrent resumes, corruptions, server outages, hostile names and inputs.
+"""The fault matrix: kills, signals, concurrent resumes and sweeps, corruptions, server outages, a full disk,
+hostile names, configs and files (the second round's families are in benchmarks/fault_families.py).
 
-    .venv/bin/python benchmarks/faults.py            # every case (about 15-25 min on 2 cores)
+    .venv/bin/python benchmarks/faults.py            # every case (about 40-60 min on 2 cores)
     .venv/bin/python benchmarks/faults.py --quick    # one case per kind (about 5 min)
 
 Every case drives the real CLI (``python -m flows.cli``) in its own process group on a tiny
@@ -473,6 +474,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one case per kind")
     parser.add_argument("--only", help="run the cases whose name contains this text")
     args = parser.parse_args()
+    from benchmarks import fault_families
+
+    CASES.update(fault_families.CASES)  # signals, a full disk, hostile configs and files, concurrency
     names = QUICK if args.quick else list(CASES)
     if args.only:
         names = [n for n in CASES if args.only in n]
@@ -511,7 +515,11 @@ def main() -> None:
     ):
         ratio = good / len(group) if group else 1.0
         print(f"BENCH {label} ratio={ratio:.2f} target=>=1 {'PASS' if ratio >= 1 else 'MISS'}")
-    shutil.rmtree(base, ignore_errors=True)
+    times = fault_families.exit_times
+    if times:
+        print("exit after the signal: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
+        print(f"BENCH faults_signal_exit_s max={max(times.values()):.1f} target=<=10")
+    fault_families.cleanup(base)
 
 
 if __name__ == "__main__":

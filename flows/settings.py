@@ -223,10 +223,17 @@ def deprioritise_ephemeral_server() -> list[int]:
     """Lower the CPU priority of this process's ephemeral Prefect server (Linux; a server named by
     ``PREFECT_API_URL`` is not our child and is left alone). Returns the pids changed. Idempotent."""
     nice = nice_increment(EPHEMERAL_SERVER_NICE)
-    proc = Path("/proc")
-    if nice <= 0 or not proc.is_dir():
+    if nice <= 0:
         return []
-    me, changed = os.getpid(), []
+    return [pid for pid in ephemeral_server_pids() if lower_priority(pid, nice)]
+
+
+def ephemeral_server_pids() -> list[int]:
+    """The ephemeral Prefect servers this process started (its children serving Prefect's API; Linux)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    me, found = os.getpid(), []
     for d in proc.iterdir():
         if not d.name.isdigit():
             continue
@@ -237,6 +244,5 @@ def deprioritise_ephemeral_server() -> list[int]:
                 continue
         except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-        if lower_priority(int(d.name), nice):
-            changed.append(int(d.name))
-    return changed
+        found.append(int(d.name))
+    return found

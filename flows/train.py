@@ -23,7 +23,8 @@ from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
 from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, progress_logger
-from flows.settings import configure_environment, deprioritise_ephemeral_server
+from flows.service_watch import watch_prefect_server
+from flows.settings import configure_environment, deprioritise_ephemeral_server, ephemeral_server_pids
 from ragen_core.config import RagenConfig
 from ragen_core.run.run_dir import RunDir
 from ragen_core.run.session import Session
@@ -170,6 +171,7 @@ def slot_of(limit: str | None) -> contextlib.AbstractContextManager[Any]:
 def _train(request: TrainRequest) -> dict[str, Any]:
     state = configure_environment()
     deprioritise_ephemeral_server()  # it records this flow's task runs; training should not wait on it
+    watch_prefect_server(ephemeral_server_pids())  # a server that dies ends the run at once, named
     log = get_run_logger()
     opened = open_run(
         state,

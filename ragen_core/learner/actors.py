@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ragen_core.config.learner import LearnerConfig
 from ragen_core.errors import RagenError, ray_actor_lost
+from ragen_core.learner import ray_sessions
 from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.update import Learner
 from ragen_core.state_folder import state_dir
@@ -203,6 +204,7 @@ def init_ray(
             if num_cpus is None:
                 num_cpus = local_cluster_cpus()
             _token_auth()
+            ray_sessions.remove_stale_sessions()
             with _loopback_node():
                 # "local": a new cluster. Without it ray.init() joins whatever cluster another process
                 # registered in /tmp/ray, and then refuses num_cpus ("When connecting to an existing
@@ -217,6 +219,7 @@ def init_ray(
                     logging_level=logging.WARNING,
                     log_to_driver=True,
                 )
+            ray_sessions.claim_new_session()
             node_ip = node_ip_address()
             if not ipaddress.ip_address(node_ip).is_loopback:
                 ray.shutdown()

@@ -118,6 +118,7 @@ class SystemMetrics:
 
     def __init__(self, tracker: Tracker, enabled: bool = True) -> None:
         self.monitor: Any = None
+        self.tracker = tracker
         if not enabled or tracker.run_id is None or tracker.offline is not None:
             return
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -142,6 +143,10 @@ class SystemMetrics:
         if self.monitor is None:
             return
         monitor, self.monitor = self.monitor, None
+        if self.tracker.offline is not None:  # the store is down: no retry sequence for a courtesy metric
+            monitor.mlflow_logger.data = []  # what finish() would flush
+            monitor.finish()
+            return
         monitor.finish()  # joins the sampling thread: the last sample below is this thread's alone
         try:
             monitor.collect_metrics()

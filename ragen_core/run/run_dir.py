@@ -362,4 +362,28 @@ def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None
     root = locate_run(run_id_or_path, run_root)
     if root is None:
         raise FileNotFoundError(run_not_found(run_id_or_path, run_root))
+    link = linked_part(Path(root))
+    if link is not None:
+        raise RunFileError(
+            f"{link} is a symbolic link (to {os.readlink(link)}): a run writes its files only inside its own "
+            f"folder, never through a link to another place; replace the link by a copy of what it points to "
+            f"(cp -a --remove-destination $(readlink -f {link}) {link}) and run the command again"
+        )
     return RunDir(root)
+
+
+def linked_part(root: Path) -> Path | None:
+    """The first folder of run ``root`` (``eval``, ``iter_0003``, ``iter_0003/checkpoint``, ...) that is a
+    symbolic link: writing through it would change files outside the run, maybe another run's."""
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return None  # what cannot be listed is named by whatever reads it
+    for child in children:
+        if child.is_symlink():
+            return child
+        if child.name.startswith("iter_") and child.is_dir():
+            for part in sorted(child.iterdir()):
+                if part.is_symlink():
+                    return part
+    return None

@@ -72,6 +72,15 @@ def probe_http(uri: str, timeout_s: float) -> None:
     raise TrackingError(f"MLflow tracking server {uri} unreachable ({why}); {fix}")
 
 
+def deleted_run_message(uri: str, run_id: str) -> str:
+    """How to go on with a run whose MLflow run was deleted (MLflow's trash): restore it, then resume."""
+    return (
+        f"MLflow run {run_id} of this run was deleted from {uri} (it is in MLflow's trash until "
+        f"`mlflow gc` purges it); restore it with `MLFLOW_TRACKING_URI={uri} mlflow runs restore "
+        f"--run-id {run_id}`, then resume again"
+    )
+
+
 def _failure_reason(e: BaseException) -> tuple[bool, str]:
     """(is the store unreachable, a short one-line reason) for an exception of an MLflow call."""
     text = " ".join(f"{type(x).__name__}: {x}" for x in _chain(e))

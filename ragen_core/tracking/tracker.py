@@ -37,14 +37,12 @@ What a run holds:
   span per turn, the score, success and filter decision as feedback; sent to this store's trace API
   directly (no global tracer), and skipped on a resume when the store already has them.
 
-One process logs a run at a time (SQLite locks under concurrent writers): while the loop runs, the
-run's logging process holds it (``ragen_core.run.log_process``; ``Tracker.state`` / ``take_over`` hand
-it over and back).
+One process logs a run at a time (SQLite locks under concurrent writers): while the loop runs, the run's
+logging process holds it (``ragen_core.run.log_process``; ``Tracker.state`` / ``take_over`` hand it over).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -60,7 +58,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
-from ragen_core.tracking.offline import HTTP_DEFAULTS, TrackingError, _cut, _failure_reason, probe_http
+from ragen_core.tracking.library_logs import route_library_logs
+from ragen_core.tracking.offline import (
+    HTTP_DEFAULTS,
+    TrackingError,
+    _cut,
+    _failure_reason,
+    deleted_run_message,
+    probe_http,
+)
 from ragen_core.tracking.store import _open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -91,8 +97,7 @@ _log = logging.getLogger(__name__)
 
 
 def _chunks(items: list[Any], n: int) -> Iterable[list[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
+    return (items[i : i + n] for i in range(0, len(items), n))
 
 
 # ---------------------------------------------------------------------------- tracker
@@ -140,6 +145,7 @@ class Tracker:
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
 
+        self.library_log = route_library_logs(state_dir)  # MLflow's own tracebacks: to a file
         if db and db != ":memory:":
             self.client: MlflowClient = _open_sqlite_client(self.tracking_uri, Path(db))
         else:
@@ -168,9 +174,10 @@ class Tracker:
             f"since {what} ({reason})"
         )
         _log.warning(
-            "%s; training goes on without MLflow (the run directory keeps everything; resume the "
-            "run once the store is back to log what is missing)",
+            "%s; going on without MLflow (the run directory keeps everything; resume the run once the "
+            "store is back to log what is missing)%s",
             self.offline,
+            f"; details in {self.library_log}" if self.library_log else "",
         )
 
     def go_offline(self, what: str, e: BaseException) -> None:
@@ -184,7 +191,7 @@ class Tracker:
             return None
         return (
             f"{self.offline}; the run directory {Path(run_dir)} keeps every finished iteration; once the "
-            f"server is back, `ragen train --resume {run_id}` logs what is missing"
+            f"store works again, `ragen train --resume {run_id}` logs what is missing"
         )
 
     def _artifact_location(self) -> str | None:
@@ -275,6 +282,8 @@ class Tracker:
                 f"cannot resume MLflow run {run_id}: not found in {self.tracking_uri} ({e}); "
                 "start a new run (no run id) or point tracking_uri at the store that holds it"
             ) from None
+        if run.info.lifecycle_stage == "deleted":  # MLflow refuses to reopen it: say how to go on
+            raise TrackingError(deleted_run_message(self.tracking_uri, run_id))
         existing = dict(run.data.params)
         self._resumed_tags = dict(run.data.tags)
         self.client.update_run(run_id, status="RUNNING")
@@ -315,6 +324,8 @@ class Tracker:
     def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
         """The run's page in the MLflow UI: on the tracking server itself, or for a local store on the UI
         that ``ragen ui`` starts (``local_ui``). None when the store cannot be read (offline)."""
+        if self.offline is not None:  # no retry sequence against a store known to be down
+            return None
         try:
             experiment = self.client.get_run(run_id).info.experiment_id
         except Exception:  # a link is a courtesy: no store, no link
@@ -511,21 +522,11 @@ class Tracker:
             return
         rows = [{k: v for k, v in r.items() if k != "messages"} for r in rows[:n]]
         step = int(step)
-        if (
-            self.offline is not None
-            or not append_table
-            or (self._table_step is not None and step <= self._table_step)
-        ):
+        if not append_table or (self._table_step is not None and step <= self._table_step):
             return
-        cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
-        names = list(dict.fromkeys(k for r in rows for k in r))
-        for k in names:
-            cols[str(k)] = [
-                v
-                if isinstance(v, str | int | float | bool) or v is None
-                else json.dumps(v, default=str, ensure_ascii=False)
-                for v in (r.get(k) for r in rows)
-            ]
+        from ragen_core.tracking.transcripts import table_columns
+
+        cols = table_columns(rows, step)
         try:
             with warnings.catch_warnings():  # MLflow's log_table trips pandas 3 deprecation warnings
                 warnings.simplefilter("ignore", DeprecationWarning)

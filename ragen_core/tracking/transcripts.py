@@ -9,6 +9,7 @@ initial states (seeds) and both sides of the filter's decision rather than one g
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,20 @@ import pyarrow as pa
 from ragen_core.text_safety import printable
 from ragen_core.tracking.rendering import filter_decision
 from ragen_core.trajectory import from_table, read_table
+
+
+def table_columns(rows: list[dict[str, Any]], step: int) -> dict[str, list[Any]]:
+    """``rows`` as the columns of MLflow's transcripts table: a ``step`` column, then every key of the
+    rows in first-seen order (nested values as JSON strings, missing ones None)."""
+    cols: dict[str, list[Any]] = {"step": [step] * len(rows)}
+    for k in dict.fromkeys(k for r in rows for k in r):
+        cols[str(k)] = [
+            v
+            if isinstance(v, str | int | float | bool) or v is None
+            else json.dumps(v, default=str, ensure_ascii=False)
+            for v in (r.get(k) for r in rows)
+        ]
+    return cols
 
 
 def transcript_rows(path: Path, n: int, kept_rows: list[int] | None = None) -> list[dict[str, Any]]:

@@ -74,3 +74,46 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
     finally:
         proc.kill()
         procs.kill_tree(marker)
+
+
+def test_a_dead_prefect_server_ends_the_run_in_seconds(tmp_path: Path) -> None:
+    """The run's ephemeral Prefect server is SIGKILLed after iteration 1. Before: the run hung for more
+    than 5 minutes, Prefect's EventsWorker retrying its events against the dead server; now it ends
+    within 10 s with one line naming the server and the resume command, leaves no process, and the
+    resume logs every MLflow step once."""
+    from tests.flows.test_train import mlflow_steps, only_run
+
+    marker = procs.new_marker()
+    args = procs.tiny_train_args(tmp_path, "sft=null", "trainer.iterations=4")
+    proc, out, err = procs.launch(args, tmp_path, marker)
+    try:
+        deadline = time.monotonic() + 300
+        while "iteration 1/" not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.2)
+        servers = [pid for pid, cmd in procs.tree(marker).items() if "prefect.server.api.server" in cmd]
+        assert len(servers) == 1, procs.tree(marker)
+        os.kill(servers[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=120)
+        took = time.monotonic() - killed
+        print(f"exit {code} {took:.1f} s after the server's SIGKILL")
+        text = out.read_text() + err.read_text()
+        run = only_run(tmp_path)
+        said = [line for line in text.splitlines() if "Prefect server" in line]
+        assert code == 1 and took <= 10, text[-3000:]
+        assert said == [
+            f"the run's Prefect server (pid {servers[0]}) exited mid-run; nothing is lost: resume with "
+            f"`ragen train --resume {run.name}`"
+        ], text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        left = procs.wait_gone(marker, timeout=10)
+        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+    finally:
+        procs.kill_tree(marker)
+    resumed, out, err = procs.launch(["train", "--resume", run.name], tmp_path, marker, log_name="resume")
+    try:
+        assert resumed.wait(timeout=600) == 0, out.read_text()[-2000:] + err.read_text()[-3000:]  # type: ignore[attr-defined]
+        assert mlflow_steps(tmp_path, run) == list(range(5))
+    finally:
+        procs.kill_tree(marker)

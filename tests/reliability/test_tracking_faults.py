@@ -375,3 +375,62 @@ def test_two_first_runs_on_one_fresh_sqlite_store_both_work(tmp_path: Path) -> N
         assert exp is not None
         assert sorted(r.info.run_name for r in c.search_runs([exp.experiment_id])) == ["racer-a", "racer-b"]
         assert (store / "mlflow.db.lock").exists()
+
+
+# ---------------------------------------------------------------------------- what an outage costs
+#: The most an outage may add to a run, against the same run with the server up: one failed call
+#: (~3 s refused) and slack for a loaded machine; before, three more retry sequences of calls made after
+#: the tracker had gone offline (the run's link, the system metrics' last sample and their monitor's
+#: check) added about 7 s here and 40 s with MLflow's default retries.
+OUTAGE_EXTRA_S = 15.0
+
+
+def _run_killing_at(server: Server, state: Path, kill_after: int | None) -> tuple[float, str]:
+    """A 6-iteration run; with ``kill_after``, the server is SIGKILLed as that iteration is done. Returns
+    the seconds from that iteration's DONE to the command's exit, and the command's output."""
+    sets = [
+        x for o in [*TINY, "trainer.iterations=6", f"trainer.run_root={state / 'runs'}"] for x in ("--set", o)
+    ]
+    mark = 2 if kill_after is None else kill_after
+    seen: dict[str, float] = {}
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            if list((state / "runs").glob(f"*/iter_{mark:04d}/DONE")):
+                seen["at"] = time.monotonic()
+                if kill_after is not None:
+                    server.kill()
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        out = ragen(
+            ["train", str(CONFIG), *sets], state, timeout=300, extra_env={"MLFLOW_TRACKING_URI": server.uri}
+        )
+    finally:
+        finished.set()
+        watcher.join(5)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0 and "at" in seen, log[-4000:]
+    return time.monotonic() - seen["at"], log
+
+
+def test_an_outage_costs_seconds_and_says_it_once(server: Server, tmp_path: Path) -> None:
+    """The server dies after iteration 2 of 6 and stays down: the run takes at most ``OUTAGE_EXTRA_S``
+    longer than with the server up, and the terminal holds our two lines (the outage as it happens,
+    the resume command at the end), no urllib3 retry warning and no MLflow warning."""
+    server.up()
+    up_s, _ = _run_killing_at(server, tmp_path / "up", None)
+    down_s, log = _run_killing_at(server, tmp_path / "down", 2)
+    print(
+        f"iteration 2 done -> exit: server up {up_s:.1f} s, server killed {down_s:.1f} s; extra {down_s - up_s:.1f} s"
+    )
+    assert down_s - up_s < OUTAGE_EXTRA_S, (up_s, down_s, log[-4000:])
+    for noise in ("Retrying", "urllib3", "mlflow.system_metrics", "Failed to", "Traceback", "system metrics"):
+        assert noise not in log, (noise, log[-4000:])
+    said = [line for line in log.splitlines() if "unreachable since" in line]
+    assert len(said) == 2 and "--resume" in said[-1], said
+    assert str(tmp_path / "down" / "logs" / "libraries.log") in said[0], said
