@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -280,8 +281,9 @@ def stored_run(tmp_path_factory) -> tuple[Path, Path]:
     run = state / "runs" / "bandit-tiny-0123abcd-ef4567"
     run.mkdir(parents=True)
     dump_config(load_config(ROOT / "configs" / "bandit-tiny.yaml"), run / "config.yaml")
-    for k in (1, 2):
-        write_trajectories(HANDMADE, run / f"iter_{k:04d}" / "rollouts.parquet")
+    for k in (1, 2):  # each iteration's rows carry its number, as training writes them
+        rows = [dataclasses.replace(t, iteration=k) for t in HANDMADE]
+        write_trajectories(rows, run / f"iter_{k:04d}" / "rollouts.parquet")
     # rows 0 and 1 are group 0, rows 2 and 3 group 1 (make(): group_id = env_id // 2)
     (run / "iter_0002" / "filter.json").write_text('{"kept_rows": [0, 1], "metrics": {}}')
     return state, run
