@@ -113,7 +113,8 @@ class WorkerDispatch:
                         self._finish(in_flight.pop(fid), fid, state)
                 if in_flight and time.monotonic() - last_report >= self.report_every_s:
                     last_report = time.monotonic()
-                    self._report_waiting(client, {fid: states[fid] for fid in in_flight})
+                    # a member dispatched again in this pass has no state read yet (None: waiting)
+                    self._report_waiting(client, {fid: states.get(fid) for fid in in_flight})
 
     def _dispatch(self, client: Any, m: Member) -> Any:
         """The member's flow run: the one still in flight from an earlier sweep run, else a new one."""
