@@ -15,19 +15,12 @@ import atexit
 import os
 import sys
 import threading
-from pathlib import Path
+
+from ragen_core.processes import process_alive
 
 #: How often the server's process is looked at (seconds).
 POLL_S = 1.0
 _watched: set[int] = set()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")  # a zombie: dead, not yet reaped by Prefect
 
 
 def _resume_hint() -> str:
@@ -50,7 +43,7 @@ def watch_prefect_server(pids: list[int]) -> threading.Event | None:
 
     def watch() -> None:
         while not stop.wait(POLL_S):
-            dead = [pid for pid in pids if not _alive(pid)]
+            dead = [pid for pid in pids if not process_alive(pid)]
             if dead and not stop.is_set():
                 sys.stderr.write(
                     f"the run's Prefect server (pid {dead[0]}) exited mid-run; {_resume_hint()}\n"

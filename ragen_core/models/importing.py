@@ -51,6 +51,7 @@ from ragen_core.models.gguf_files import (
     unsupported_architecture,
 )
 from ragen_core.models.provenance import SOURCE_FILE, read_provenance
+from ragen_core.processes import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +125,13 @@ def _check_template(tokenizer: Any, where: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # Import
 # ------------------------------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _clean_stale(models: Path) -> None:
     """Remove temporary folders left by imports that were killed (their process is gone)."""
     if not models.is_dir():
         return
     for entry in models.iterdir():
         m = _TMP_RE.match(entry.name)
-        if not m or not entry.is_dir() or _pid_alive(int(m.group(3))):
+        if not m or not entry.is_dir() or process_alive(int(m.group(3))):
             continue
         if m.group(1) == "replaced" and not (models / m.group(2)).exists():
             continue  # the only copy of a model whose replacement failed: left for the user

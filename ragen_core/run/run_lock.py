@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ragen_core.errors import RagenError
+from ragen_core.processes import process_alive
 
 
 class RunLockedError(RagenError, RuntimeError):
@@ -142,19 +143,4 @@ def dead_holder(root: str | os.PathLike[str], since: float) -> dict[str, Any] | 
         return None
     if started < since:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return h
-    except PermissionError:
-        return None  # alive, another user's
-    return None if _alive(pid) else h
-
-
-def _alive(pid: int) -> bool:
-    """A zombie (ended, not yet reaped by its parent) has ended too."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc: trust the signal check
+    return None if process_alive(pid) else h
