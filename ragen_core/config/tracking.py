@@ -107,6 +107,15 @@ def resolve_tracking_uri(cfg: TrackingConfig, state_dir: str | os.PathLike[str])
     return f"sqlite:///{(Path(state_dir).resolve() / 'mlflow.db').as_posix()}"
 
 
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///PATH[?options]`` tracking URI; None for another scheme or
+    an in-memory store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = uri[len("sqlite:///") :].split("?", 1)[0]
+    return Path(db) if db and db != ":memory:" else None
+
+
 def _param_value(v: Any) -> str:
     if isinstance(v, str):
         return v

@@ -8,7 +8,7 @@ from __future__ import annotations
 import urllib.parse
 from pathlib import Path
 
-from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri, uri_scheme_problem
+from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri, sqlite_file, uri_scheme_problem
 from ragen_core.errors import RagenError
 from ragen_core.state_folder import read_run_index, run_index_path, state_dir
 
@@ -60,8 +60,8 @@ def tracking_problems(tracking: TrackingConfig) -> list[str]:
         return [bad_scheme]
     scheme = urllib.parse.urlparse(uri).scheme
     if scheme == "sqlite":
-        db = uri[len("sqlite:///") :].split("?", 1)[0]
-        problem = sqlite_store_problem(Path(db)) if db and db != ":memory:" else None
+        db = sqlite_file(uri)
+        problem = sqlite_store_problem(db) if db else None
         return [problem] if problem else []
     if scheme in ("http", "https"):
         try:

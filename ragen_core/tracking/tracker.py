@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri
+from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri, sqlite_file
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
 from ragen_core.tracking.library_logs import route_library_logs
 from ragen_core.tracking.offline import (
@@ -141,13 +141,13 @@ class Tracker:
         scheme = urllib.parse.urlparse(self.tracking_uri).scheme
         if scheme in ("http", "https"):
             probe_http(self.tracking_uri, cfg.connect_timeout_s)
-        db = self.tracking_uri[len("sqlite:///") :] if scheme == "sqlite" else ""
+        db = sqlite_file(self.tracking_uri)
         self._scheme = scheme
         from mlflow.tracking import MlflowClient
 
         self.library_log = route_library_logs(state_dir)  # MLflow's own tracebacks: to a file
-        if db and db != ":memory:":
-            self.client: MlflowClient = _open_sqlite_client(self.tracking_uri, Path(db))
+        if db is not None:
+            self.client: MlflowClient = _open_sqlite_client(self.tracking_uri, db)
         else:
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
@@ -197,11 +197,8 @@ class Tracker:
     def _artifact_location(self) -> str | None:
         if self._scheme in ("http", "https"):
             return None  # the server's --artifacts-destination / --default-artifact-root
-        if self._scheme == "sqlite":
-            db = self.tracking_uri[len("sqlite:///") :]
-            root = Path(db).resolve().parent if db and db != ":memory:" else self.state_dir.resolve()
-        else:
-            root = self.state_dir.resolve()
+        db = sqlite_file(self.tracking_uri)
+        root = db.resolve().parent if db is not None else self.state_dir.resolve()
         return (root / "mlartifacts" / metric_key(self.cfg.experiment).replace("/", "_")).as_uri()
 
     def _experiment_id(self) -> str:
