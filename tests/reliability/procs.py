@@ -70,6 +70,12 @@ def wait_gone(marker: dict[str, str], timeout: float) -> dict[int, str]:
     return left
 
 
+def assert_gone(marker: dict[str, str], timeout: float) -> None:
+    """Fail naming every process still carrying ``marker`` after ``timeout``."""
+    left = wait_gone(marker, timeout)
+    assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+
+
 def kill_tree(marker: dict[str, str]) -> None:
     """SIGKILL whatever carries ``marker`` (a test's clean-up, so a failure leaks nothing)."""
     for pid in tree(marker):
@@ -190,6 +196,15 @@ def launch(
             start_new_session=True,
         )
     return proc, out_path, err_path
+
+
+def resume_to_the_end(run_name: str, state: Path, marker: dict[str, str]) -> None:
+    """``ragen train --resume RUN`` to completion (rc 0), its processes killed afterwards."""
+    resumed, out, err = launch(["train", "--resume", run_name], state, marker, log_name="resume")
+    try:
+        assert resumed.wait(timeout=600) == 0, out.read_text()[-2000:] + err.read_text()[-3000:]  # type: ignore[attr-defined]
+    finally:
+        kill_tree(marker)
 
 
 def tiny_train_args(state: Path, *extra: str) -> list[str]:

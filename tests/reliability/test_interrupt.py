@@ -74,14 +74,9 @@ def _interrupt_and_resume(
         assert lines == [f"{said}; nothing is lost: resume with `ragen train --resume {run.name}`"], text[
             -2000:
         ]
-        left = procs.wait_gone(marker, timeout=5)
-        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+        procs.assert_gone(marker, timeout=5)
     finally:
         procs.kill_tree(marker)
 
-    resumed, out, err = procs.launch(["train", "--resume", run.name], tmp_path, marker, log_name="resume")
-    try:
-        assert resumed.wait(timeout=600) == 0, out.read_text()[-2000:] + err.read_text()[-3000:]
-        assert mlflow_steps(tmp_path, run) == list(range(ITERATIONS + 1))  # step 0: the start's validation
-    finally:
-        procs.kill_tree(marker)
+    procs.resume_to_the_end(run.name, tmp_path, marker)
+    assert mlflow_steps(tmp_path, run) == list(range(ITERATIONS + 1))  # step 0: the start's validation

@@ -69,8 +69,7 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
         error = " ".join(err.read_text().split())
         assert code == 1, error[-3000:]
         assert "the MLflow UI exited" in error and "stopped the Prefect server too" in error, error[-3000:]
-        left = procs.wait_gone(marker, timeout=10)
-        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+        procs.assert_gone(marker, timeout=10)
     finally:
         proc.kill()
         procs.kill_tree(marker)
@@ -107,13 +106,8 @@ def test_a_dead_prefect_server_ends_the_run_in_seconds(tmp_path: Path) -> None:
             f"`ragen train --resume {run.name}`"
         ], text[-3000:]
         assert "Traceback" not in text, text[-3000:]
-        left = procs.wait_gone(marker, timeout=10)
-        assert not left, "left behind: " + "; ".join(f"{pid} {cmd[:150]}" for pid, cmd in left.items())
+        procs.assert_gone(marker, timeout=10)
     finally:
         procs.kill_tree(marker)
-    resumed, out, err = procs.launch(["train", "--resume", run.name], tmp_path, marker, log_name="resume")
-    try:
-        assert resumed.wait(timeout=600) == 0, out.read_text()[-2000:] + err.read_text()[-3000:]  # type: ignore[attr-defined]
-        assert mlflow_steps(tmp_path, run) == list(range(5))
-    finally:
-        procs.kill_tree(marker)
+    procs.resume_to_the_end(run.name, tmp_path, marker)
+    assert mlflow_steps(tmp_path, run) == list(range(5))
