@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 import typer
 
 from flows.cli.common import console, fail, on_interrupt, prepare, print_metrics
+from ragen_core.run.service_watch import resume_hint
 
 
 def train(
@@ -35,7 +36,7 @@ def train(
     """Train a policy with StarPO (warm start, then iterations); --resume continues a killed run."""
     prepare()
     _check_train(config, set_ or [], resume, name)
-    on_interrupt(_resume_hint)
+    on_interrupt(resume_hint)
     from flows.train import TrainRequest
     from flows.train import train as train_flow
 
@@ -98,17 +99,6 @@ def _check_train(config: Path | None, overrides: list[str], resume: str | None, 
     problems = state_problems(cfg.tracking)
     if problems:
         raise PreflightError("cannot resume this run:\n  " + "\n  ".join(problems))
-
-
-def _resume_hint() -> str:
-    """How to go on after a Ctrl-C: the run's finished iterations are kept (each one is marked done
-    once it is whole), so resuming it loses nothing."""
-    from ragen_core.run.run_lock import runs_locked_here
-
-    runs = runs_locked_here()
-    if not runs:
-        return "no run folder was made yet; run the command again"
-    return f"nothing is lost: resume with `ragen train --resume {runs[-1].name}`"
 
 
 def success_per_tag(

@@ -73,6 +73,26 @@ def claim_new_session() -> None:
         claim_session(node.get_session_dir_path())
 
 
+#: The processes of a local cluster it cannot run without, by Ray's process type: what they are called.
+_VITAL = {"raylet": "Ray raylet", "gcs_server": "Ray GCS server"}
+
+
+def cluster_services() -> dict[int, str]:
+    """The pids of the raylet and GCS server of the cluster ``ray.init`` started in this process
+    (pid: what it is); empty when it joined one by address."""
+    import ray
+
+    node = ray._private.worker._global_node
+    if node is None:
+        return {}
+    return {
+        info.process.pid: name
+        for kind, name in _VITAL.items()
+        for info in node.all_processes.get(kind, [])
+        if info.process is not None
+    }
+
+
 def claim_session(session: str | os.PathLike[str]) -> None:
     """Mark ``session`` (the folder of the cluster this process just started) as ours, and remove it
     when this process exits: after Ray's shutdown, which this does first (Ray's own exit hook was

@@ -75,34 +75,46 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
         procs.kill_tree(marker)
 
 
-def test_a_dead_prefect_server_ends_the_run_in_seconds(tmp_path: Path) -> None:
-    """The run's ephemeral Prefect server is SIGKILLed after iteration 1. Before: the run hung for more
-    than 5 minutes, Prefect's EventsWorker retrying its events against the dead server; now it ends
-    within 10 s with one line naming the server and the resume command, leaves no process, and the
-    resume logs every MLflow step once."""
+#: The run's own services, by what names them in their command line: the name the run's last line
+#: gives them, and the backend that starts them.
+SERVICES = {
+    "prefect.server.api.server": ("Prefect server", "local"),
+    "raylet": ("Ray raylet", "ray"),
+    "gcs_server": ("Ray GCS server", "ray"),
+}
+
+
+@pytest.mark.parametrize("command", list(SERVICES))
+def test_a_dead_service_ends_the_run_in_seconds(command: str, tmp_path: Path) -> None:
+    """One of the run's own services is SIGKILLed after iteration 1. Before: a dead Prefect server left
+    the run hanging for more than 5 minutes, Prefect's EventsWorker retrying its events against it,
+    and a dead raylet ended the run at once with exit code 1 and no message (Ray's driver ends its own
+    process when its object store is gone); now the run ends within 10 s with one line naming the
+    service and the resume command, leaves no process, and the resume logs every MLflow step once."""
     from tests.flows.test_train import mlflow_steps, only_run
 
+    name, backend = SERVICES[command]
     marker = procs.new_marker()
-    args = procs.tiny_train_args(tmp_path, "sft=null", "trainer.iterations=4")
+    args = procs.tiny_train_args(tmp_path, "sft=null", "trainer.iterations=4", f"trainer.backend={backend}")
     proc, out, err = procs.launch(args, tmp_path, marker)
     try:
         deadline = time.monotonic() + 300
         while "iteration 1/" not in err.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
             time.sleep(0.2)
-        servers = [pid for pid, cmd in procs.tree(marker).items() if "prefect.server.api.server" in cmd]
+        servers = [pid for pid, cmd in procs.tree(marker).items() if _runs(cmd, command)]
         assert len(servers) == 1, procs.tree(marker)
         os.kill(servers[0], signal.SIGKILL)
         killed = time.monotonic()
         code = proc.wait(timeout=120)
         took = time.monotonic() - killed
-        print(f"exit {code} {took:.1f} s after the server's SIGKILL")
+        print(f"exit {code} {took:.1f} s after the {name}'s SIGKILL")
         text = out.read_text() + err.read_text()
         run = only_run(tmp_path)
-        said = [line for line in text.splitlines() if "Prefect server" in line]
+        said = [line for line in text.splitlines() if "exited mid-run" in line]
         assert code == 1 and took <= 10, text[-3000:]
         assert said == [
-            f"the run's Prefect server (pid {servers[0]}) exited mid-run; nothing is lost: resume with "
+            f"the run's {name} (pid {servers[0]}) exited mid-run; nothing is lost: resume with "
             f"`ragen train --resume {run.name}`"
         ], text[-3000:]
         assert "Traceback" not in text, text[-3000:]
@@ -111,3 +123,8 @@ def test_a_dead_prefect_server_ends_the_run_in_seconds(tmp_path: Path) -> None:
         procs.kill_tree(marker)
     procs.resume_to_the_end(run.name, tmp_path, marker)
     assert mlflow_steps(tmp_path, run) == list(range(5))
+
+
+def _runs(cmdline: str, command: str) -> bool:
+    """Whether ``cmdline`` runs the module ``command`` (Prefect's server) or is the program (Ray's)."""
+    return command in cmdline if "." in command else Path(cmdline.split(" ")[0]).name == command
