@@ -18,6 +18,7 @@ import importlib.machinery
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ragen_core.priority import lower_priority, nice_increment
+from ragen_core.run.service_watch import LAST_WORDS_VAR
 from ragen_core.state_folder import check_state_dir, state_dir
 
 STATE_DIR = state_dir()
@@ -38,12 +40,30 @@ _watchdog: subprocess.Popen[bytes] | None = None
 # inherits however it was started (Prefect's uvicorn, Ray's daemons that Ray re-parents or puts in
 # sessions of their own). SIGTERM first, SIGKILL after a second, and again for processes started
 # while the tree was going down (a raylet starting a worker).
+# Before that it says the last words its parent could not (ragen_core.run.service_watch): the line of
+# a watched service that is dead by now, when the parent left its file (a normal exit takes it back).
 _WATCHDOG = r"""
-import os, signal, sys, time
-parent, needle = int(sys.argv[1]), sys.argv[2].encode() + b"="
+import json, os, signal, sys, time
+parent, needle, words = int(sys.argv[1]), sys.argv[2].encode() + b"=", sys.argv[3]
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 while os.getppid() == parent:
     time.sleep(0.2)
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+try:
+    with open(words) as f:
+        lines = json.load(f)
+    os.unlink(words)
+except (OSError, ValueError):
+    lines = {}
+dead = [line for pid, line in lines.items() if not alive(int(pid))]
+if dead:
+    sys.stderr.write(dead[0] + "\n")
+    sys.stderr.flush()
 me = os.getpid()
 def tree():
     pids = []
@@ -93,9 +113,10 @@ def start_watchdog() -> str | None:
         return next((k for k in os.environ if k.startswith(mine)), None)
     name = mine + uuid.uuid4().hex[:8]
     env = {k: v for k, v in os.environ.items() if k != name}  # the watchdog itself is no target
+    words = Path(tempfile.gettempdir()) / f"ragen-last-words-{os.getpid()}-{name[-8:]}.json"
     try:
         _watchdog = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), name],
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), name, str(words)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -104,6 +125,7 @@ def start_watchdog() -> str | None:
     except OSError:  # no watchdog: the run itself still works, as before
         return None
     os.environ[name] = "1"
+    os.environ[LAST_WORDS_VAR.format(pid=os.getpid())] = str(words)
     return name
 
 

@@ -42,7 +42,6 @@ from ragen_core.errors import RagenError, ray_actor_lost
 from ragen_core.learner import ray_sessions
 from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.update import Learner
-from ragen_core.run.service_watch import watch_services
 from ragen_core.state_folder import state_dir
 
 if TYPE_CHECKING:
@@ -221,7 +220,6 @@ def init_ray(
                     log_to_driver=True,
                 )
             ray_sessions.claim_new_session()
-            watch_services(ray_sessions.cluster_services(), still_needed=ray.is_initialized)
             node_ip = node_ip_address()
             if not ipaddress.ip_address(node_ip).is_loopback:
                 ray.shutdown()

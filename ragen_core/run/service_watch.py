@@ -7,6 +7,13 @@ for more than 5 minutes, Ray's driver waits a minute for a lost GCS) or ends say
 driver terminates its own process, with exit code 1 and no message, the moment it next touches a
 dead raylet's object store.
 
+The thread cannot always speak first: Ray's driver ends its own process within milliseconds of
+touching a dead raylet's object store, without running any Python. So the line for each watched
+service is also left with the watchdog (``flows.settings.start_watchdog``, a process that outlives
+this one): a file it reads when this process is gone, saying the line of a service that is dead by
+then. A normal exit removes the file, and a service stopped on purpose (``ray.shutdown()``) is taken
+out of it.
+
 Ending the process at once is safe: an iteration counts as done only once its ``DONE`` mark is
 written, each file is written whole or not at all, and a resume logs what MLflow lacks, exactly as
 after a SIGKILL; the watchdog (``flows.settings.start_watchdog``) stops the process's children.
@@ -14,17 +21,25 @@ after a SIGKILL; the watchdog (``flows.settings.start_watchdog``) stops the proc
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from ragen_core.processes import process_alive
 
-#: How often the watched processes are looked at (seconds): often, because Ray's driver ends its own
-#: process within a fraction of a second of touching a dead raylet, and the line must come first.
+#: How often the watched processes are looked at (seconds) where the kernel cannot wake the watch
+#: when one ends (no pidfd), and how often a pidfd watch checks whether it was stopped.
 POLL_S = 0.1
 _watched: set[int] = set()
+#: The watched services still needed (pid: what it is), whose lines are left with the watchdog.
+_needed: dict[int, str] = {}
+#: The variable that names this process's last-words file (set by the watchdog's starter).
+LAST_WORDS_VAR = "RAGEN_LAST_WORDS_{pid}"
 
 
 def resume_hint() -> str:
@@ -47,20 +62,87 @@ def watch_services(
     if not services:
         return None
     _watched.update(services)
+    _needed.update(services)
+    _leave_last_words()
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.wait(POLL_S):
-            dead = [pid for pid in services if not process_alive(pid)]
-            if not dead:
-                continue
-            if stop.is_set() or not still_needed():  # a normal shutdown stops its services too
-                return
-            sys.stderr.write(
-                f"the run's {services[dead[0]]} (pid {dead[0]}) exited mid-run; {resume_hint()}\n"
-            )
-            sys.stderr.flush()
-            os._exit(1)
+        # A pidfd wakes the watch the moment a service ends: Ray's driver ends its own process within
+        # milliseconds of touching a dead raylet's object store, and the line must come first.
+        fds = _pidfds(services)
+        try:
+            while not stop.is_set():
+                if fds:
+                    select.select(list(fds), [], [], 0.5)
+                else:
+                    stop.wait(POLL_S)
+                dead = [pid for pid in services if not process_alive(pid)]
+                if not dead:
+                    continue
+                if stop.is_set() or not still_needed():  # a normal shutdown stops its services too
+                    for pid in services:
+                        _needed.pop(pid, None)
+                    _leave_last_words()
+                    return
+                _take_back_last_words()  # said here: the watchdog must not say it again
+                sys.stderr.write(_line(dead[0], services[dead[0]]) + "\n")
+                sys.stderr.flush()
+                os._exit(1)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     threading.Thread(target=watch, name="service-watch", daemon=True).start()
     return stop
+
+
+def _pidfds(pids: dict[int, str]) -> dict[int, int]:
+    """A pidfd per pid (fd: pid), readable once the process ends; empty where the kernel or Python
+    has none (the watch then polls)."""
+    fds = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except (AttributeError, OSError):  # no pidfd_open (not Linux 5.3+), or the process is gone
+            for fd in fds:
+                os.close(fd)
+            return {}
+    return fds
+
+
+def _line(pid: int, name: str) -> str:
+    return f"the run's {name} (pid {pid}) exited mid-run; {resume_hint()}"
+
+
+def _last_words_file() -> Path | None:
+    path = os.environ.get(LAST_WORDS_VAR.format(pid=os.getpid()))  # a child's own, not its parent's
+    return Path(path) if path else None
+
+
+def _leave_last_words() -> None:
+    """Write the lines of the services still needed (with the resume hint as it is now) where the
+    watchdog reads them, whole or not at all; taken back at a normal exit."""
+    path = _last_words_file()
+    if path is None:
+        return
+    if not _needed:
+        _take_back_last_words()
+        return
+    try:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({str(pid): _line(pid, name) for pid, name in _needed.items()}))
+        os.replace(tmp, path)
+    except OSError:  # a courtesy: the in-process watch still works
+        return
+    if not _registered:
+        _registered.append(True)
+        atexit.register(_take_back_last_words)
+
+
+_registered: list[bool] = []
+
+
+def _take_back_last_words() -> None:
+    path = _last_words_file()
+    if path is not None:
+        path.unlink(missing_ok=True)

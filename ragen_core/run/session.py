@@ -28,8 +28,10 @@ class Session:
     """
 
     def __init__(self, cfg: RagenConfig, run: RunDir, backend: str = "ray") -> None:
+        from ragen_core.learner import ray_sessions
         from ragen_core.learner.actors import LearnerWorker, init_ray
         from ragen_core.rollout.worker import RolloutWorker
+        from ragen_core.run.service_watch import watch_services
 
         self.cfg, self.run, self.backend = cfg, run, backend
         #: data-parallel learner ranks (the in-process backend has one learner, whatever the config)
@@ -51,7 +53,12 @@ class Session:
         self.worker: RolloutWorker | ActorMethods
         self.learner: LearnerWorker | LearnerGroup
         if backend == "ray":
+            import ray
+
             init_ray()
+            # a cluster started here ends the run with a line when its raylet or GCS dies (a normal
+            # ray.shutdown() stops them too, after ray.is_initialized() turns false)
+            watch_services(ray_sessions.cluster_services(), still_needed=ray.is_initialized)
             self._start_actors(cfg.trainer.learners)
         elif backend == "local":
             self.worker = RolloutWorker(*worker_args)
