@@ -26,9 +26,11 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,14 @@ def to_json(
 def kept_rows_of(record: Mapping[str, Any]) -> list[int]:
     """The kept row numbers of a record (every version has them)."""
     return [int(i) for i in record["kept_rows"]]
+
+
+def in_turn(kept: Sequence[T], dropped: Sequence[T]) -> list[T]:
+    """``kept[0], dropped[0], kept[1], dropped[1], ...``, the longer one's rest at the end: how the
+    samples people read (traces, transcript pages) take both sides of the filter's decision, so a
+    sample cut short still shows both."""
+    n = min(len(kept), len(dropped))
+    return [x for pair in zip(kept[:n], dropped[:n], strict=True) for x in pair] + [*kept[n:], *dropped[n:]]
 
 
 def groups_of(record: Mapping[str, Any], table: pa.Table) -> list[GroupDecision]:
