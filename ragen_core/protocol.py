@@ -23,6 +23,7 @@ from envs.base import format_reward
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "STATE_IN_MESSAGE",
     "Message",
     "ParsedResponse",
     "ProtocolConfig",
@@ -213,8 +214,14 @@ def system_content(cfg: ProtocolConfig) -> str:
     return cfg.system_prompt
 
 
+#: The state inside a user message (what :func:`state_content` wrote): views that render Markdown
+#: find it here to show it as a code block, where a grid keeps its lines and underscores.
+STATE_IN_MESSAGE = re.compile(r"(?<=State:\n)(.*?)(?=\nYou have -?\d+ actions left\. )", re.DOTALL)
+
+
 def state_content(record: TurnRecord, cfg: ProtocolConfig, max_tokens: int) -> str:
-    """The state block of one turn (docs/architecture.md, "Agent text protocol")."""
+    """The state block of one turn (docs/architecture.md, "Agent text protocol"); keep
+    ``STATE_IN_MESSAGE`` in step with it."""
     return (
         f"State:\n{record.state}\nYou have {record.actions_left} actions left. "
         f"Always output: {format_hint(cfg)} with no extra text. Strictly follow this format. "

@@ -79,12 +79,13 @@ def trajectory_source(target: str) -> Path:
 def filter_decisions(rollouts: Path, n: int) -> list[bool] | None:
     """Per row of ``rollouts``: whether the StarPO-S filter kept its group, read from the
     ``filter.json`` beside it (an iteration's); None where there is none (validation files, a copy)."""
+    from ragen_core.filter_record import kept_rows_of
+
     file = rollouts.with_name("filter.json")
     if rollouts.name != "rollouts.parquet" or not file.is_file():
         return None
     try:
-        kept_rows = json.loads(file.read_text())["kept_rows"]
-        kept = {int(i) for i in kept_rows}
+        kept = set(kept_rows_of(json.loads(file.read_text())))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ShowError(
             f"{file}: cannot read the filter's decisions ({type(exc).__name__}: {exc}); "

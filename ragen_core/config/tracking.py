@@ -37,10 +37,11 @@ class TrackingConfig(BaseModel):
         default=5.0, gt=0.0, description="how long to wait for a remote tracking server before failing"
     )
     traces_per_tag: int = Field(
-        default=2,
+        default=4,
         ge=0,
         description="train episodes logged as MLflow traces per env tag and iteration (the run's Traces "
-        "tab: one chat span per turn, score/success/filter decision as feedback); 0: none",
+        "tab: one chat span per turn, score/success/filter decision as feedback): half from groups the "
+        "filter kept, half from groups it dropped, two members of each group side by side; 0: none",
     )
     max_traces_per_step: int = Field(
         default=64,

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ragen_core.config import RagenConfig
+from ragen_core.filter_record import kept_rows_of
 from ragen_core.integrity import CorruptFileError
 from ragen_core.run import stage_record
 from ragen_core.run.run_dir import RunDir
@@ -96,7 +97,7 @@ def rerun_stage(
         from ragen_core.learner.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
-        kept = run.read_json(run.filter_file(k))["kept_rows"]
+        kept = kept_rows_of(run.read_json(run.filter_file(k)))
         update_policy(cfg, session, read_table(run.rollouts(k)), kept)
         out = out_dir / "checkpoint"
         session.learner.save_checkpoint(str(out), k)

@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from ragen_core import filter_record
 from ragen_core.algorithms import (
     TOKEN_FILTER_METRICS,
     ZERO_TOL,
@@ -230,8 +231,8 @@ def _empty_filter_message(f: RolloutFilterConfig, selection: GroupSelection, k: 
 
 def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict[str, float]]:
     """StarPO-S: keep whole groups chosen by ``rollout.filter`` (by default the ``value`` fraction of
-    them with the largest in-group score std); writes the kept rows and the group statistics to the
-    iteration's ``filter.json``. A filter that keeps no group raises :class:`EmptyFilterError`."""
+    them with the largest in-group score std); writes the kept rows, the statistics and each group's
+    statistics and decision to the iteration's ``filter.json`` (``ragen_core.filter_record``). A filter that keeps no group raises :class:`EmptyFilterError`."""
     rollouts, out = run.rollouts(k), run.filter_file(k)
     record, inputs = run.stage_record("filter", k), {"rollouts": rollouts}
     stored = stage_record.load(record, inputs)
@@ -260,7 +261,8 @@ def filter_stage(cfg: RagenConfig, run: RunDir, k: int) -> tuple[list[int], dict
     metrics["rollout/chosen_filter_metric_mean"] = (
         float(values[selection.kept_groups].mean()) if n_kept else 0.0
     )
-    atomic_write_text(out, json.dumps({"kept_rows": kept, "metrics": metrics}, indent=1))
+    decisions = filter_record.group_decisions(table, kept, selection.group_values.tolist())
+    atomic_write_text(out, json.dumps(filter_record.to_json(kept, metrics, decisions), indent=1))
     stage_record.save(record, inputs, [out], metrics, {"kept_rows": kept})
     return kept, metrics
 

@@ -26,10 +26,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from ragen_core.filter_record import groups_of
 from ragen_core.run.run_dir import RunDir
 from ragen_core.tracking.background import BackgroundLog
 from ragen_core.tracking.tracker import Tracker
 from ragen_core.tracking.transcripts import to_html, transcript_rows
+from ragen_core.trajectory import read_table
 
 #: The calls a step log accepts (methods of :class:`StepLogger`), by name: they cross a process boundary.
 CALLS = ("log_rollouts", "log_step", "set_tags", "log_artifact")
@@ -55,16 +57,16 @@ class StepLogger:
         if not tracker.cfg.log_artifacts or k <= 0 or not run.rollouts(k).exists():
             return
         tracker.log_artifact(run.rollouts(k), f"rollouts/iter_{k:04d}")
-        kept = None
+        groups = None
         if run.filter_file(k).exists():  # the filter's decisions, beside the rollouts they judge
             tracker.log_artifact(run.filter_file(k), f"rollouts/iter_{k:04d}")
-            kept = list(run.read_json(run.filter_file(k))["kept_rows"])
-        rows = transcript_rows(run.rollouts(k), tracker.cfg.transcripts_per_iteration, kept)
+            groups = groups_of(run.read_json(run.filter_file(k)), read_table(run.rollouts(k)))
+        rows = transcript_rows(run.rollouts(k), tracker.cfg.transcripts_per_iteration, groups)
         if rows:
             tracker.log_text(to_html(rows, f"{self.run_id}, iteration {k}"), f"transcripts/iter_{k:04d}.html")
         # The table once, at the end: appending to an MLflow table re-uploads it whole each time.
         tracker.log_transcripts(rows, k, append_table=k == self.iterations)
-        tracker.log_episode_traces(run.rollouts(k), k, kept)  # a sample, as MLflow traces
+        tracker.log_episode_traces(run.rollouts(k), k, groups)  # a sample, as MLflow traces
 
     def log_step(self, k: int, metrics: Mapping[str, float]) -> None:
         """Log one step: its rollouts (unless :meth:`log_rollouts` did), the validation file, then its

@@ -3,29 +3,41 @@
 A researcher reads a run's episodes in the MLflow UI (the run's Traces tab, the experiment's Sessions
 tab) instead of in Parquet files. What is traced (docs/metrics.md, "Episodes as MLflow traces"):
 
-* each iteration, a sample of the train rollouts: per env tag the first ``traces_per_tag`` episodes
-  of its groups in the filter's order (kept groups first, largest score std first), so a sample
-  shows members of one group side by side, and the groups the learner trained on;
+* each iteration, a sample of the train rollouts: per env tag ``traces_per_tag`` episodes, half
+  (rounded up) from groups the filter kept and the rest from groups it dropped, so both sides of its
+  decision are in every iteration's sample; on each side the largest score std first, and a group's
+  members side by side;
 * at the final step, every validation episode (tags taken in turn when the cap cuts);
 * at most ``max_traces_per_step`` traces per step and file.
 
 A trace holds a root span (``AGENT``: the whole conversation) and one ``CHAT_MODEL`` span per turn
 whose inputs are ``{"messages": [...]}`` (the conversation up to the turn's user message) and whose
 output is the assistant text: the shapes the MLflow UI renders as a chat. The text is the trajectory
-table's ``messages`` column, which holds exactly what the model saw and wrote (assistant contents as
-the model wrote them, docs/architecture.md "Trajectory schema"); nothing is re-rendered here. The
-turn's parsed actions, environment reply (the next user message), reward, format penalty, validity
-and effectiveness are its ``ragen.*`` attributes. With ``agent.max_context_window`` shorter than an
-episode, the table keeps only the last window, numbered from its first turn: only the last turn's
-prompt is then the one the model saw, so earlier turns show their output only (``ragen.prompt`` says
-why). Span times only order the turns (1 ms each); they are not measured durations.
+table's ``messages`` column, which holds exactly what the model saw and wrote (docs/architecture.md
+"Trajectory schema"), with one change for the chat view, which renders Markdown: each environment
+state is in a code fence (``rendering.fence_states``), so a grid keeps its lines and underscores.
+The turn's parsed actions, environment reply (the next user message, verbatim), reward, format
+penalty, validity and effectiveness are its ``ragen.*`` attributes. With ``agent.max_context_window``
+shorter than an episode, the table keeps only the last window, numbered from its first turn: only the
+last turn's prompt is then the one the model saw, so earlier turns show their output only
+(``ragen.prompt`` says why). Span times only order the turns (1 ms each); they are not measured
+durations.
+
+The list view: the trace's name says the tag, iteration, split, group, env id, the outcome
+(``success``/``failed``) and for train episodes the filter's decision; a failed episode's state is
+``ERROR`` (MLflow's red badge; its root span says why), a successful one's ``OK``; the request
+preview is the episode's first state rather than the instructions every episode shares; request
+times follow the sample's order within a step.
 
 Metadata (immutable, searchable): ``ragen.run_id``, ``ragen.iteration``, ``ragen.split``,
 ``ragen.env_tag``, ``ragen.seed``, ``ragen.group_id``, ``ragen.env_id``, ``ragen.success``; the
 session (``mlflow.trace.session``) is the group, so a group's members sit together; the source run
-(``mlflow.sourceRun``) is the training run, so the traces are on its Traces tab. Feedback from
-source ``CODE``/``ragen-flow``: ``score``, ``success``, and for train episodes ``filter_kept`` and
-``group_reward_std`` (the unbiased std of the group's scores, the filter's statistic).
+(``mlflow.sourceRun``) is the training run, so the traces are on its Traces tab. Tags (the list's
+Tags column and filters): ``ragen.iteration``, ``ragen.split``, ``ragen.env_tag``, ``ragen.outcome``
+and for train episodes ``ragen.filter`` (``kept``/``dropped``). Feedback from source
+``CODE``/``ragen-flow``, the same four names on every trace so no column of the list is empty:
+``score``, ``success``, ``group_reward_std`` (the unbiased std of the group's scores, the filter's
+statistic) and ``filter_kept`` (validation episodes are not filtered: every one counts, True).
 
 Traces are written straight to the store of a ``TracingClient`` made for the run's tracking URI
 (``start_trace`` with metadata, tags and feedback, then one ``log_spans`` for all spans), never
@@ -40,22 +52,30 @@ from __future__ import annotations
 
 import hashlib
 import os
-import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from ragen_core.filter_record import GroupDecision, group_decisions, in_turn
 from ragen_core.text_safety import printable
-from ragen_core.tracking.rendering import Turn, row_info, turns_of
+from ragen_core.tracking.rendering import (
+    Turn,
+    fence_states,
+    filter_decision,
+    first_state,
+    outcome,
+    row_info,
+    turns_of,
+)
 from ragen_core.trajectory import read_table
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.entities import Assessment, Span, TraceInfo
     from mlflow.tracing.client import TracingClient
+    from opentelemetry.trace import Status
 
 #: The source of the feedback this module logs (MLflow ``AssessmentSource``: type CODE).
 SOURCE_ID = "ragen-flow"
@@ -68,6 +88,8 @@ TAG_KEY, SEED_KEY, GROUP_KEY, ENV_KEY, SUCCESS_KEY = (
     "ragen.env_id",
     "ragen.success",
 )
+#: Tag keys of their own (iteration, split and env tag are tags under the metadata keys too).
+OUTCOME_KEY, FILTER_KEY = "ragen.outcome", "ragen.filter"
 #: Columns a trace needs (the token columns are dropped at once: they are most of a file's bytes).
 COLUMNS = (
     "run_id",
@@ -93,48 +115,33 @@ PREVIEW_CHARS = 1000
 _NS_PER_MS = 1_000_000
 
 
-@dataclass(frozen=True)
-class Group:
-    """What the filter saw of one group (train only)."""
-
-    kept: bool
-    score_std: float
-
-
 # ---------------------------------------------------------------------------- choosing episodes
-def group_stats(table: pa.Table, kept_rows: Iterable[int]) -> dict[int, Group]:
-    """Per ``group_id``: whether the filter kept it (any of its rows is in ``kept_rows``: the filter
-    keeps whole groups) and the unbiased std of its scores (0 for a group of one, as the filter's
-    logged statistics count it)."""
-    kept = set(kept_rows)
-    scores: dict[int, list[float]] = defaultdict(list)
-    kept_groups: set[int] = set()
-    for i, (g, s) in enumerate(
-        zip(table.column("group_id").to_pylist(), table.column("score").to_pylist(), strict=True)
-    ):
-        scores[g].append(float(s))
-        if i in kept:
-            kept_groups.add(g)
-    return {
-        g: Group(kept=g in kept_groups, score_std=statistics.stdev(v) if len(v) > 1 else 0.0)
-        for g, v in scores.items()
-    }
-
-
-def choose_train(table: pa.Table, per_tag: int, cap: int, groups: Mapping[int, Group]) -> list[int]:
-    """Row numbers of the train sample: per env tag, the first ``per_tag`` rows of its groups taken in
-    the filter's order (kept groups first, then the largest score std, then the group id; rows by
-    env id), at most ``cap`` in all (tags in turn)."""
+def choose_train(
+    table: pa.Table, per_tag: int, cap: int, groups: Mapping[int, GroupDecision] | None
+) -> list[int]:
+    """Row numbers of the train sample: per env tag ``per_tag`` rows, half (rounded up) from the
+    groups the filter kept and the rest from those it dropped, a side's unused share going to the
+    other, so a sample shows both sides of the decision whenever both exist; on each side the groups
+    with the largest score std first (then by group id) and a group's members side by side (by env
+    id). ``groups``: the filter's record by group id (None: no filter ran, one side). At most ``cap``
+    in all: tags in turn, and within a tag kept and dropped rows alternate, so a cut keeps both."""
     if per_tag <= 0 or cap <= 0:
         return []
-    by_tag: dict[str, list[tuple[tuple[Any, ...], int]]] = defaultdict(list)
-    tags = table.column("env_tag").to_pylist()
-    gids = table.column("group_id").to_pylist()
-    envs = table.column("env_id").to_pylist()
-    for i, (tag, g, e) in enumerate(zip(tags, gids, envs, strict=True)):
-        info = groups.get(g, Group(kept=False, score_std=0.0))
-        by_tag[tag].append(((not info.kept, -info.score_std, g, e), i))
-    picked = {tag: [i for _, i in sorted(rows)[:per_tag]] for tag, rows in by_tag.items()}
+    sides: dict[str, dict[bool, list[tuple[tuple[Any, ...], int]]]] = defaultdict(
+        lambda: {True: [], False: []}
+    )
+    columns = (table.column(c).to_pylist() for c in ("env_tag", "group_id", "env_id"))
+    for i, (tag, g, e) in enumerate(zip(*columns, strict=True)):
+        decision = groups.get(g) if groups is not None else None
+        kept = decision.kept if decision is not None else True
+        std = decision.score_std if decision is not None else 0.0
+        sides[tag][kept].append(((-std, g, e), i))
+    picked: dict[str, list[int]] = {}
+    for tag, rows in sides.items():
+        kept_rows = [i for _, i in sorted(rows[True])]
+        dropped_rows = [i for _, i in sorted(rows[False])]
+        n_kept = min(len(kept_rows), max((per_tag + 1) // 2, per_tag - len(dropped_rows)))
+        picked[tag] = in_turn(kept_rows[:n_kept], dropped_rows[: per_tag - n_kept])
     return _round_robin(picked, cap)
 
 
@@ -182,15 +189,17 @@ def build_trace(
     experiment_id: str,
     mlflow_run_id: str,
     start_ms: int,
-    group: Group | None = None,
+    group: GroupDecision | None = None,
 ) -> tuple[TraceInfo, list[Span]]:
     """The trace of one trajectory row (``read_table(...).to_pylist()``) of MLflow step ``step``: its
-    info (metadata, tags, feedback) and its spans (root + one per turn); nothing is sent. The step is
-    the caller's, not the row's ``iteration``: schema v1 files numbered that column differently."""
+    info (name, state, metadata, tags, feedback) and its spans (root + one per turn); nothing is sent.
+    ``group``: the row's group as the filter saw it (for validation: all kept), None: no group
+    feedback. The step is the caller's, not the row's ``iteration``: schema v1 files numbered that
+    column differently."""
     from mlflow.entities import TraceInfo, TraceLocation, TraceState
     from mlflow.tracing.constant import TraceTagKey
 
-    split, k, tag = str(row["split"]), int(step), str(row["env_tag"])
+    split, k = str(row["split"]), int(step)
     trace_id = trace_id_for(mlflow_run_id, split, k, int(row["env_id"]))
     info = row_info(row)
     turns = turns_of(row)
@@ -202,19 +211,52 @@ def build_trace(
     root = _root_span(row, trace_id, info, messages, last_assistant, (start_ns, end_ns))
     spans = [root, *(_turn_span(trace_id, _span_id(trace_id, -1), turn, start_ns) for turn in turns)]
     first_user = next((m["content"] for m in messages if m.get("role") == "user"), "")
+    tags = _trace_tags(row, k, group)
     trace_info = TraceInfo(
         trace_id=trace_id,
         trace_location=TraceLocation.from_experiment_id(experiment_id),
         request_time=start_ms,
         execution_duration=(end_ns - start_ns) // _NS_PER_MS,
-        state=TraceState.OK,
-        request_preview=_preview(first_user),
+        state=TraceState.OK if row["success"] else TraceState.ERROR,
+        request_preview=_preview(_first_state_line(row, first_user)),
         response_preview=_preview(root_output or ""),
         trace_metadata=_trace_metadata(row, k, mlflow_run_id),
-        tags={TraceTagKey.TRACE_NAME: f"{split} {tag} iter {k} group {int(row['group_id'])}"},
+        tags={TraceTagKey.TRACE_NAME: trace_name(row, k, group), **tags},
         assessments=_feedback(row, info, group),
     )
     return trace_info, spans
+
+
+def trace_name(row: Mapping[str, Any], step: int, group: GroupDecision | None) -> str:
+    """``TAG iter K SPLIT group G #E: success|failed[, kept|dropped]``: what the list shows first."""
+    decision = f", {filter_decision(group.kept)}" if group is not None and row["split"] == "train" else ""
+    return (
+        f"{row['env_tag']} iter {step} {row['split']} group {int(row['group_id'])} #{int(row['env_id'])}: "
+        f"{outcome(bool(row['success']))}{decision}"
+    )
+
+
+def _trace_tags(row: Mapping[str, Any], step: int, group: GroupDecision | None) -> dict[str, str]:
+    """Tags, which MLflow's trace list shows and filters on (``tags.`ragen.split` = 'val'``); metadata
+    it does not show."""
+    tags = {
+        ITERATION_KEY: str(step),
+        SPLIT_KEY: str(row["split"]),
+        TAG_KEY: str(row["env_tag"]),
+        OUTCOME_KEY: outcome(bool(row["success"])),
+    }
+    if group is not None and row["split"] == "train":
+        tags[FILTER_KEY] = filter_decision(group.kept)
+    return tags
+
+
+def _first_state_line(row: Mapping[str, Any], first_user: str) -> str:
+    """The request preview: the episode's first state on one line (``P_G_ / _O__``), not the
+    instructions every episode of a tag shares; the first user message where it shows no state."""
+    state = first_state(first_user)
+    if state is None:
+        return first_user
+    return f"{row['env_tag']} seed {int(row['seed'])}: {' / '.join(state.splitlines())}"
 
 
 def _preview(text: str) -> str:
@@ -234,12 +276,14 @@ def _root_span(
     times_ns: tuple[int, int],
 ) -> Span:
     """The episode's span: the conversation up to the last answer in, that answer out, the outcome
-    as attributes."""
+    as attributes; an error status for a failed episode, saying how it ended."""
     from mlflow.entities import SpanType
+    from opentelemetry.trace import Status, StatusCode
 
-    root_inputs = {"messages": messages[:last_assistant] if last_assistant is not None else messages}
+    shown = chat_messages(messages)
+    root_inputs = {"messages": shown[:last_assistant] if last_assistant is not None else shown}
     root_output = messages[last_assistant]["content"] if last_assistant is not None else None
-    outcome = {
+    result = {
         "score": float(row["score"]),
         "reward": float(row["reward"]),
         "format_penalty": float(row["format_penalty"]),
@@ -258,13 +302,17 @@ def _root_span(
         *times_ns,
         root_inputs,
         root_output,
-        {f"ragen.{key}": value for key, value in outcome.items()},
+        {f"ragen.{key}": value for key, value in result.items()},
+        Status(StatusCode.OK)
+        if row["success"]
+        else Status(StatusCode.ERROR, f"episode failed (end: {info.get('end_reason')})"),
     )
 
 
 def _turn_span(trace_id: str, root_id: int, turn: Turn, start_ns: int) -> Span:
     """One turn's span under the root: its prompt in, its response out, the env's reply as attributes."""
     from mlflow.entities import SpanType
+    from opentelemetry.trace import Status, StatusCode
 
     attrs: dict[str, Any] = {
         "ragen.turn": turn.index + 1,
@@ -290,14 +338,26 @@ def _turn_span(trace_id: str, root_id: int, turn: Turn, start_ns: int) -> Span:
         SpanType.CHAT_MODEL,
         t0,
         t0 + _NS_PER_MS,
-        {"messages": turn.prompt} if turn.prompt is not None else None,
+        {"messages": chat_messages(turn.prompt)} if turn.prompt is not None else None,
         turn.response,
         attrs,
+        Status(StatusCode.OK),
     )
 
 
-def _feedback(row: Mapping[str, Any], info: Mapping[str, Any], group: Group | None) -> list[Assessment]:
-    """The episode's assessments: score and success, and for train episodes the filter's verdict."""
+def chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as the chat view shows them: user messages with their states fenced
+    (:func:`~ragen_core.tracking.rendering.fence_states`), everything else as stored."""
+    return [
+        dict(m, content=fence_states(m["content"])) if m.get("role") == "user" else dict(m) for m in messages
+    ]
+
+
+def _feedback(
+    row: Mapping[str, Any], info: Mapping[str, Any], group: GroupDecision | None
+) -> list[Assessment]:
+    """The episode's assessments: score and success, and with its group the group's score std and
+    the filter's verdict (validation is not filtered: its groups come as kept, and say so)."""
     from mlflow.entities import AssessmentSource, Feedback
 
     source = AssessmentSource(source_type="CODE", source_id=SOURCE_ID)
@@ -316,15 +376,21 @@ def _feedback(row: Mapping[str, Any], info: Mapping[str, Any], group: Group | No
         ),
     ]
     if group is not None:
+        stats = f"group {group.group_id} of {group.size}: score mean {group.score_mean:.4g}, std {group.score_std:.4g}"
+        if row["split"] == "train":
+            value = "" if group.filter_value is None else f", filter value {group.filter_value:.4g}"
+            why = f"{stats}{value}: {filter_decision(group.kept)}"
+        else:
+            why = f"{row['split']} episodes are not filtered: every one counts ({stats})"
         feedback += [
             Feedback(
                 name="filter_kept",
                 value=group.kept,
                 source=source,
-                rationale=f"group {int(row['group_id'])}: score std {group.score_std:.4g}",
+                rationale=why,
                 metadata={"group_reward_std": repr(group.score_std)},
             ),
-            Feedback(name="group_reward_std", value=group.score_std, source=source),
+            Feedback(name="group_reward_std", value=group.score_std, source=source, rationale=stats),
         ]
     return feedback
 
@@ -359,6 +425,7 @@ def _span(
     inputs: Any,
     outputs: Any,
     attributes: Mapping[str, Any],
+    status: Status,
 ) -> Span:
     """An ended MLflow span built directly (no tracer provider: nothing global is touched)."""
     from mlflow.entities import Span
@@ -366,7 +433,6 @@ def _span(
     from mlflow.tracing.utils import build_otel_context, dump_span_attribute_value
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan
-    from opentelemetry.trace import Status, StatusCode
 
     otel_trace_id = int(trace_id.removeprefix("tr-"), 16)
     attrs = {
@@ -385,7 +451,7 @@ def _span(
             end_time=end_ns,
             # MLflow keeps every attribute as a JSON string (what its own spans and readers expect)
             attributes={k: dump_span_attribute_value(v) for k, v in attrs.items() if v is not None},
-            status=Status(StatusCode.OK),
+            status=status,
             resource=Resource.get_empty(),
         )
     )
@@ -403,11 +469,12 @@ def traces_of_file(
     mlflow_run_id: str,
     per_tag: int,
     cap: int,
-    kept_rows: Sequence[int] | None = None,
+    groups: Sequence[GroupDecision] | None = None,
 ) -> list[Trace]:
     """The traces of one trajectory file of MLflow step ``step``, built but not sent: a train file's
-    sample (``per_tag`` per env tag; filter feedback when ``kept_rows`` is given), or every row of a
-    validation file; at most ``cap``. A damaged file raises ``TrajectoryFileError``."""
+    sample (``per_tag`` per env tag; ``groups``: the filter's record of its groups, None: no filter
+    feedback), or every row of a validation file; at most ``cap``. A damaged file raises
+    ``TrajectoryFileError``."""
     if cap <= 0:
         return []
     table = read_table(path).select(list(COLUMNS))
@@ -416,19 +483,22 @@ def traces_of_file(
     train = table.column("split")[0].as_py() == "train"
     if train and per_tag <= 0:
         return []
-    groups = group_stats(table, kept_rows) if train and kept_rows is not None else None
-    rows = choose_train(table, per_tag, cap, groups or {}) if train else choose_all(table, cap)
-    start_ms = int(Path(path).stat().st_mtime * 1000)  # when the episodes were stored
+    if not train:  # not filtered: every group is what the validation counts
+        groups = group_decisions(table, range(table.num_rows))
+    by_id = {g.group_id: g for g in groups} if groups is not None else None
+    rows = choose_train(table, per_tag, cap, by_id) if train else choose_all(table, cap)
+    # when the episodes were stored; a millisecond apart, so MLflow's list keeps the sample's order
+    start_ms = int(Path(path).stat().st_mtime * 1000)
     return [
         build_trace(
             row,
             step=step,
             experiment_id=experiment_id,
             mlflow_run_id=mlflow_run_id,
-            start_ms=start_ms,
-            group=groups.get(row["group_id"]) if groups is not None else None,
+            start_ms=start_ms + n,
+            group=by_id.get(row["group_id"]) if by_id is not None else None,
         )
-        for row in table.take(pa.array(rows, type=pa.int64())).to_pylist()
+        for n, row in enumerate(table.take(pa.array(rows, type=pa.int64())).to_pylist())
     ]
 
 
@@ -468,7 +538,7 @@ def log_episode_traces(
     *,
     per_tag: int,
     cap: int,
-    kept_rows: Sequence[int] | None = None,
+    groups: Sequence[GroupDecision] | None = None,
     skip_existing: bool = False,
 ) -> list[str]:
     """:func:`traces_of_file` then :func:`send_traces`: log one trajectory file's episodes as traces
@@ -480,7 +550,7 @@ def log_episode_traces(
         mlflow_run_id=mlflow_run_id,
         per_tag=per_tag,
         cap=cap,
-        kept_rows=kept_rows,
+        groups=groups,
     )
     return send_traces(client, experiment_id, traces, skip_existing)
 

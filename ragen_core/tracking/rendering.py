@@ -15,6 +15,7 @@ decides what to read before torch loads.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,34 @@ def _item(seq: Sequence[Any], t: int, default: Any) -> Any:
 def trajectory_row(t: Trajectory) -> dict[str, Any]:
     """The columns of ``t`` that :func:`turns_of` reads."""
     return {"messages": t.messages, "turn_rewards": t.turn_rewards, "actions": t.actions, "info": t.info}
+
+
+def fence_states(text: str) -> str:
+    """``text`` with each environment state (``protocol.STATE_IN_MESSAGE``) in a code fence, the only
+    change: views that render Markdown (MLflow's chat view) join a grid's lines and read its
+    underscores as emphasis (the FrozenLake grid ``P_G_``, ``_O__``, ... showed as one line, some
+    underscores gone). The fence is longer than any backtick run in the state, so a state cannot
+    close it."""
+    from ragen_core.protocol import STATE_IN_MESSAGE
+
+    def fence(m: re.Match[str]) -> str:
+        ticks = "`" * max(3, 1 + max((len(r) for r in re.findall(r"`+", m.group(1))), default=0))
+        return f"{ticks}\n{m.group(1)}\n{ticks}"
+
+    return STATE_IN_MESSAGE.sub(fence, text)
+
+
+def first_state(text: str) -> str | None:
+    """The first environment state in ``text`` (a user message), None if it shows none."""
+    from ragen_core.protocol import STATE_IN_MESSAGE
+
+    m = STATE_IN_MESSAGE.search(text)
+    return m.group(1) if m else None
+
+
+def outcome(success: bool) -> str:
+    """An episode's outcome in a word (trace names and tags, the transcripts page)."""
+    return "success" if success else "failed"
 
 
 def filter_decision(kept: bool | None) -> str:

@@ -51,7 +51,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -71,6 +71,8 @@ from ragen_core.tracking.store import _open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
+
+    from ragen_core.filter_record import GroupDecision
 
 MAX_PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 MAX_METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
@@ -536,13 +538,13 @@ class Tracker:
         self.set_tags({TABLE_STEP_TAG: str(step)})
 
     def log_episode_traces(
-        self, path: str | os.PathLike[str], step: int, kept_rows: list[int] | None = None
+        self, path: str | os.PathLike[str], step: int, groups: Sequence[GroupDecision] | None = None
     ) -> int:
         """Log the episodes of a trajectory file of ``step`` as MLflow traces of this run
-        (``ragen_core.tracking.episode_traces``): a train file's sample (``traces_per_tag``; ``kept_rows``: the
-        filter's decision, as feedback), every episode of a validation file; at most
-        ``max_traces_per_step``. Off with ``log_artifacts``. A resumed run skips the traces its store
-        already has. Returns the number of traces sent."""
+        (``ragen_core.tracking.episode_traces``): a train file's sample (``traces_per_tag``, kept and
+        dropped groups; ``groups``: the filter's record, as feedback), every episode of a validation
+        file; at most ``max_traces_per_step``. Off with ``log_artifacts``. A resumed run skips the
+        traces its store already has. Returns the number of traces sent."""
         from ragen_core.tracking.episode_traces import send_traces, traces_of_file
 
         run_id = self._require_run()
@@ -555,7 +557,7 @@ class Tracker:
             mlflow_run_id=run_id,
             per_tag=self.cfg.traces_per_tag,
             cap=self.cfg.max_traces_per_step,
-            kept_rows=kept_rows,
+            groups=groups,
         )
         if not traces:
             return 0

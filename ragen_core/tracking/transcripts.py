@@ -1,22 +1,26 @@
 """Sample transcripts of an iteration, for people: rows for MLflow's transcripts table and one HTML page
 per iteration (``transcripts/iter_XXXX.html``), where the conversation reads as it happened (line breaks
-kept, long lines wrapped) and each episode says whether the filter kept its group.
+kept, long lines wrapped) and each episode says whether the filter kept its group and the group's
+score statistics.
 
-The sample takes one episode per group, the kept groups first, so a handful of rows shows different
-initial states (seeds) and both sides of the filter's decision rather than one group's members.
+The sample takes one episode per group, kept and dropped groups in turn (each side in file order), so
+a handful of rows shows different initial states (seeds) and both sides of the filter's decision
+rather than one group's members or only the groups it kept.
 """
 
 from __future__ import annotations
 
 import html
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from ragen_core.filter_record import GroupDecision, in_turn
 from ragen_core.text_safety import printable
-from ragen_core.tracking.rendering import filter_decision
+from ragen_core.tracking.rendering import filter_decision, outcome
 from ragen_core.trajectory import from_table, read_table
 
 
@@ -34,26 +38,34 @@ def table_columns(rows: list[dict[str, Any]], step: int) -> dict[str, list[Any]]
     return cols
 
 
-def transcript_rows(path: Path, n: int, kept_rows: list[int] | None = None) -> list[dict[str, Any]]:
-    """Up to ``n`` episodes of a rollouts file, one per group (kept groups first, in file order), as
-    rows: tag, seed, group, filter decision (``kept``/``dropped``; empty without a filter), success,
-    score, turns, actions, the conversation after the system prompt as text, and its messages."""
+def transcript_rows(
+    path: Path, n: int, groups: Sequence[GroupDecision] | None = None
+) -> list[dict[str, Any]]:
+    """Up to ``n`` episodes of a rollouts file, one per group (kept and dropped groups in turn, each
+    side in file order), as rows: tag, seed, group, filter decision (``kept``/``dropped``; empty
+    without a filter record, ``groups``), the group's score std, success, score, turns, actions, the
+    conversation after the system prompt as text, and its messages."""
     table = read_table(path)  # only the rows shown are decoded: this runs every iteration
-    kept = set(kept_rows) if kept_rows is not None else None
+    by_id = {g.group_id: g for g in groups} if groups is not None else {}
     first: dict[int, int] = {}
     for i, g in enumerate(table.column("group_id").to_pylist()):
         first.setdefault(g, i)
-    order = sorted(first.values(), key=lambda i: (kept is not None and i not in kept, i))
-    shown = dict(zip(order[:n], from_table(table.take(pa.array(order[:n], type=pa.int64()))), strict=True))
+    sides: dict[bool, list[int]] = {True: [], False: []}
+    for g, i in first.items():
+        sides[by_id[g].kept if g in by_id else True].append(i)
+    order = in_turn(sides[True], sides[False])[:n]
+    shown = dict(zip(order, from_table(table.take(pa.array(order, type=pa.int64()))), strict=True))
     rows = []
-    for i in order[:n]:
+    for i in order:
         t = shown[i]
+        group = by_id.get(t.group_id)
         rows.append(
             {
                 "env_tag": t.env_tag,
                 "seed": t.seed,
                 "group_id": t.group_id,
-                "filter": filter_decision(None if kept is None else i in kept),
+                "filter": filter_decision(group.kept if group is not None else None),
+                "group_score_std": group.score_std if group is not None else None,
                 "success": t.success,
                 "score": t.score,
                 "turns": t.turn_count,
@@ -89,16 +101,18 @@ def to_html(rows: list[dict[str, Any]], title: str) -> str:
         f"<h1>{_safe(title)}</h1>",
     ]
     for r in rows:
-        outcome = "<span class='ok'>success</span>" if r["success"] else "<span class='fail'>failure</span>"
+        result = f"<span class='{'ok' if r['success'] else 'fail'}'>{outcome(r['success'])}</span>"
         decision = {
             "kept": "kept by the filter",
             "dropped": "<span class='dropped'>dropped by the filter</span>",
-        }
+        }.get(r["filter"])
+        std = r.get("group_score_std")
         parts.append(
             "<div class='episode'><h2>"
-            f"{_safe(str(r['env_tag']))}, seed {r['seed']}, group {r['group_id']}: {outcome}, "
+            f"{_safe(str(r['env_tag']))}, seed {r['seed']}, group {r['group_id']}: {result}, "
             f"score {r['score']:+.3f}, {r['turns']} turn(s)"
-            f"{', ' + decision[r['filter']] if r['filter'] else ''}</h2>"
+            f"{f', {decision}' if decision else ''}{f' (group score std {std:.3f})' if std is not None else ''}"
+            "</h2>"
         )
         for m in r["messages"]:
             role = _safe(m["role"])

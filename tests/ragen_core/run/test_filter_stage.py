@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from ragen_core.config import load_config
+from ragen_core.filter_record import GroupDecision, groups_of, kept_rows_of
 from ragen_core.learner.batch import TokenBatch
 from ragen_core.run import stage_record
 from ragen_core.run.run_dir import RunDir, create_run
 from ragen_core.run.stages import EmptyFilterError, filter_stage, learn_stage
-from ragen_core.trajectory import Trajectory, write_trajectories
+from ragen_core.trajectory import Trajectory, read_table, write_trajectories
 
 BASE = ["train.tags=[Bandit]", "train.n_groups=[4]", "train.group_size=2", "learner.optim.mini_batch_size=2"]
 #: 4 groups of 2: scores {1, 1} std 0 / {0, 2} std 1.41 / {0, 0} std 0 / {1, 2} std 0.71;
@@ -110,6 +111,32 @@ def test_filter_metrics_by_hand(tmp_path: Path, local_state: Path) -> None:
     assert m["rollout/filter_metric_mean"] == pytest.approx(sum(std) / 4)
     assert m["rollout/chosen_filter_metric_mean"] == pytest.approx((std[1] + std[3]) / 2)
     assert m["rollout/in_group_std"] == pytest.approx(sum(std) / 4)
+
+
+def test_filter_json_holds_each_groups_statistics_and_decision_and_older_records_still_read(
+    tmp_path: Path, local_state: Path
+) -> None:
+    """Why a group was dropped is in the record beside the decision: its size, score mean and std and
+    the filter's value of it. A record written before the groups were stored (rows only) reads the
+    same decisions and statistics, recomputed from the rollouts (the filter's value then unknown)."""
+    run, cfg = _run(tmp_path, ["rollout.filter.value=0.5"], local_state)
+    kept, _ = filter_stage(cfg, run, 1)  # type: ignore[arg-type]
+    stored = json.loads(run.filter_file(1).read_text())
+    std = [0.0, 2**0.5, 0.0, 0.5**0.5]
+    assert [g["group_id"] for g in stored["groups"]] == [0, 1, 2, 3]
+    for g, s in zip(stored["groups"], std, strict=True):
+        members = SCORES[2 * g["group_id"] : 2 * g["group_id"] + 2]
+        assert g["env_tag"] == "Bandit" and g["size"] == 2
+        assert g["score_mean"] == pytest.approx(sum(members) / 2)
+        assert g["score_std"] == pytest.approx(s) and g["filter_value"] == pytest.approx(s)
+        assert g["kept"] is (2 * g["group_id"] in kept)  # groups 1 and 3: the largest std
+    assert [g["kept"] for g in stored["groups"]] == [False, True, False, True]
+
+    table = read_table(run.rollouts(1))
+    assert groups_of(stored, table) == [GroupDecision(**g) for g in stored["groups"]]
+    older = {"kept_rows": stored["kept_rows"], "metrics": stored["metrics"]}
+    assert groups_of(older, table) == [GroupDecision(**{**g, "filter_value": None}) for g in stored["groups"]]
+    assert kept_rows_of(older) == kept_rows_of(stored) == kept
 
 
 def test_a_filter_that_keeps_nothing_names_the_cause_and_the_fix(tmp_path: Path, local_state: Path) -> None:

@@ -5,6 +5,8 @@ exact text, and the feedback equals the Parquet's scores and the filter's decisi
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,13 +19,14 @@ from mlflow.tracing.client import TracingClient
 from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 from ragen_core.config import RagenConfig, load_config
+from ragen_core.filter_record import group_decisions, groups_of
+from ragen_core.protocol import ProtocolConfig, TurnRecord, state_content
 from ragen_core.run.run_dir import RunDir, create_run
 from ragen_core.run.stages import filter_stage
 from ragen_core.tracking.episode_traces import (
     build_trace,
     choose_all,
     choose_train,
-    group_stats,
     session_id,
     trace_id_for,
     turns_of,
@@ -33,6 +36,7 @@ from ragen_core.trajectory import Trajectory, read_table, write_trajectories
 
 TAGS = ("Bandit", "SimpleSokoban")
 ITERATIONS = 2
+PER_TAG = 4  # tracking.traces_per_tag's default: a kept group's two members and a dropped group's
 
 
 def episode(tag: str, split: str, k: int, group: int, env_id: int, turns: int, success: bool) -> Trajectory:
@@ -40,7 +44,7 @@ def episode(tag: str, split: str, k: int, group: int, env_id: int, turns: int, s
     backslashes, non-ASCII), with one assistant and one user message per turn."""
     messages = [
         {"role": "system", "content": "You're a helpful assistant. "},
-        {"role": "user", "content": f'Turn 1:\nState:\n#_P\n"{tag}" ünï √ \\n {env_id}\n'},
+        {"role": "user", "content": "Turn 1:\n" + state(f'#_P\n"{tag}" ünï √ \\n {env_id}')},
     ]
     rewards, penalties, infos, actions = [], [], [], []
     for t in range(turns):
@@ -52,7 +56,7 @@ def episode(tag: str, split: str, k: int, group: int, env_id: int, turns: int, s
         )
         if t < turns - 1:
             messages.append(
-                {"role": "user", "content": f"Reward:\n-0.1\nTurn {t + 2}:\nState:\n_#P {env_id}\n"}
+                {"role": "user", "content": f"Reward:\n-0.1\nTurn {t + 2}:\n" + state(f"_#P {env_id}")}
             )
         rewards.append(1.0 if success and t == turns - 1 else -0.1 * (env_id % 3))
         penalties.append(-0.1 if t == 0 and env_id % 2 else 0.0)
@@ -82,6 +86,11 @@ def episode(tag: str, split: str, k: int, group: int, env_id: int, turns: int, s
         turn_rewards=rewards,
         info={"end_reason": "done" if success else "max_turn", "turn_penalties": penalties, "infos": infos},
     )
+
+
+def state(grid: str, actions_left: int = 3) -> str:
+    """The protocol's state block around ``grid`` (what the trace's chat view fences)."""
+    return state_content(TurnRecord(state=grid, actions_left=actions_left), ProtocolConfig(), 100)
 
 
 def rollouts(k: int, split: str = "train", groups: int = 3, size: int = 2) -> list[Trajectory]:
@@ -120,14 +129,14 @@ def config(tmp_path: Path, *overrides: str) -> RagenConfig:
     )
 
 
-def stored_run(cfg: RagenConfig, name: str) -> RunDir:
+def stored_run(cfg: RagenConfig, name: str, val_groups: int = 4) -> RunDir:
     """A run directory with ITERATIONS iterations of rollouts (filtered by the real filter stage) and
     the final evaluation."""
     run = create_run(cfg, name)
     for k in range(1, ITERATIONS + 1):
         write_trajectories(rollouts(k), run.rollouts(k))
         filter_stage(cfg, run, k)
-    write_trajectories(rollouts(ITERATIONS, "val", groups=4, size=1), run.eval_file(ITERATIONS))
+    write_trajectories(rollouts(ITERATIONS, "val", groups=val_groups, size=1), run.eval_file(ITERATIONS))
     return run
 
 
@@ -158,16 +167,35 @@ def rows_by_env(path: Path) -> dict[int, dict[str, Any]]:
     return {r["env_id"]: r for r in read_table(path).to_pylist()}
 
 
-def test_the_sample_keeps_the_filters_groups_first_and_every_tag() -> None:
-    table = read_table_of(rollouts(1))
+def rows_by_env_of(rows: list[dict[str, Any]], trace: Any) -> dict[str, Any]:
+    """The row of ``rows`` that ``trace`` shows."""
+    return next(r for r in rows if r["env_id"] == int(trace.info.trace_metadata["ragen.env_id"]))
+
+
+def test_the_sample_shows_kept_and_dropped_groups_of_every_tag() -> None:
+    """Half of a tag's sample from groups the filter kept, half from groups it dropped (each side by
+    the largest score std, a group's members side by side): a sample of kept groups only hid what the
+    filter threw away."""
+    table = read_table_of(rollouts(1))  # per tag 3 groups of 2: Bandit 0-2, SimpleSokoban 3-5
     scores = table.column("score").to_pylist()
     kept = [i for i, g in enumerate(table.column("group_id").to_pylist()) if g in (1, 4)]
-    groups = group_stats(table, kept)
-    assert {g for g, s in groups.items() if s.kept} == {1, 4}
+    groups = {g.group_id: g for g in group_decisions(table, kept)}
+    assert {g for g, d in groups.items() if d.kept} == {1, 4}
     assert groups[2].score_std == pytest.approx(statistics.stdev(scores[4:6]))
-    chosen = choose_train(table, 2, 64, groups)
-    assert chosen == kept  # both members of the kept group of each tag, side by side
-    assert choose_train(table, 1, 1, groups) == [kept[0]] and choose_train(table, 0, 64, groups) == []
+    assert groups[2].score_mean == pytest.approx(statistics.fmean(scores[4:6])) and groups[2].size == 2
+    # dropped, by std: Bandit's group 0 (0.92) before 2 (0.28); SimpleSokoban's 3 (0.92) before 5
+    assert groups[0].score_std > groups[2].score_std and groups[3].score_std > groups[5].score_std
+    both = choose_train(table, 4, 64, groups)
+    assert both == [0, 1, 2, 3, 6, 7, 8, 9]  # per tag: the kept group and the dropped one, both members
+    assert {groups[g].kept for g in table.take(both).column("group_id").to_pylist()} == {True, False}
+    assert choose_train(table, 2, 64, groups) == [0, 2, 6, 8]  # one of each side per tag
+    assert choose_train(table, 1, 64, groups) == [2, 8]  # kept first
+    # a cap takes the tags in turn and each tag's kept and dropped rows alternately: both sides stay
+    assert choose_train(table, 4, 4, groups) == [0, 2, 6, 8]
+    # a side without groups gives its share to the other; no filter record: groups by id
+    all_kept = {g: dataclasses.replace(d, kept=True) for g, d in groups.items()}
+    assert choose_train(table, 4, 64, all_kept) == [0, 1, 2, 3, 6, 7, 8, 9]  # largest std first
+    assert choose_train(table, 2, 64, None) == [0, 1, 6, 7] and choose_train(table, 0, 64, groups) == []
     # validation: every row; a cap takes the tags in turn, so each stays represented
     assert choose_all(table, 100) == list(range(table.num_rows))
     assert choose_all(table, 3) == [0, 1, 6] and choose_all(table, 0) == []
@@ -206,7 +234,7 @@ def test_turns_align_with_the_conversation_also_under_a_context_window() -> None
 def test_nul_bytes_of_model_text_are_escaped_in_the_previews_postgresql_stores() -> None:
     """PostgreSQL's text columns refuse NUL: MLflow's server on it rejected a batch of traces for one."""
     row = read_table_of([episode("SimpleSokoban", "train", 1, 0, 2, 1, True)]).to_pylist()[0]
-    row["messages"][1]["content"] += "\x00state"
+    row["messages"][1]["content"] = row["messages"][1]["content"].replace("#_P", "#_P\x00state")
     row["messages"][2]["content"] = "<answer>Up\x00</answer>"
     info, spans = build_trace(row, step=1, experiment_id="0", mlflow_run_id="r", start_ms=0)
     assert "\x00" not in info.request_preview + info.response_preview  # type: ignore[operator]
@@ -215,31 +243,44 @@ def test_nul_bytes_of_model_text_are_escaped_in_the_previews_postgresql_stores()
 
 
 def test_training_logs_episodes_as_traces_that_search_finds(store: Path, tmp_path: Path) -> None:
-    cfg = config(tmp_path, "tracking.experiment=traces", "tracking.max_traces_per_step=6")
-    run = stored_run(cfg, "traces")
+    cfg = config(tmp_path, "tracking.experiment=traces", "tracking.max_traces_per_step=8")
+    run = stored_run(cfg, "traces", val_groups=5)
     tracker = log_steps(run, cfg, store)
     uri, exp, mlflow_run = tracker.tracking_uri, tracker.experiment_id, run.info()["mlflow_run_id"]
     assert exp is not None
 
-    # the run's Traces tab: 2 per tag and iteration, plus the final evaluation's 8 episodes cut to 6
-    assert len(search(uri, exp, run_id=mlflow_run)) == ITERATIONS * 2 * len(TAGS) + 6
+    # the run's Traces tab: 4 per tag and iteration, plus the final evaluation's 10 episodes cut to 8
+    assert len(search(uri, exp, run_id=mlflow_run)) == ITERATIONS * PER_TAG * len(TAGS) + 8
     for k in range(1, ITERATIONS + 1):
-        kept = set(run.read_json(run.filter_file(k))["kept_rows"])
+        record = run.read_json(run.filter_file(k))
+        kept = set(record["kept_rows"])
         table = read_table(run.rollouts(k))
         rows = table.to_pylist()
         groups = {g: [r["score"] for r in rows if r["group_id"] == g] for g in {r["group_id"] for r in rows}}
         found = search(uri, exp, f"metadata.`ragen.iteration` = '{k}' AND metadata.`ragen.split` = 'train'")
-        assert len(found) == 2 * len(TAGS)
+        assert len(found) == PER_TAG * len(TAGS)
         for tag in TAGS:
+            # the tags MLflow's list filters on: iteration, split and env tag
             of_tag = search(
                 uri,
                 exp,
-                f"metadata.`ragen.iteration` = '{k}' AND metadata.`ragen.env_tag` = '{tag}' "
-                "AND metadata.`ragen.split` = 'train'",
+                f"tags.`ragen.iteration` = '{k}' AND tags.`ragen.env_tag` = '{tag}' "
+                "AND tags.`ragen.split` = 'train'",
             )
-            assert {t.info.trace_metadata["ragen.env_tag"] for t in of_tag} == {tag} and len(of_tag) == 2
-            # a group the filter kept, both members: one session
-            assert len({t.info.trace_metadata["mlflow.trace.session"] for t in of_tag}) == 1
+            assert {t.info.trace_metadata["ragen.env_tag"] for t in of_tag} == {tag} and len(
+                of_tag
+            ) == PER_TAG
+            # a group the filter kept and a group it dropped, both members of each: two sessions
+            by_decision: dict[bool, set[str]] = {True: set(), False: set()}
+            for t in of_tag:
+                feedback = {a.name: a.value for a in t.info.assessments}
+                by_decision[feedback["filter_kept"]].add(t.info.trace_metadata["mlflow.trace.session"])
+                assert t.info.tags["ragen.filter"] == ("kept" if feedback["filter_kept"] else "dropped")
+                assert t.info.tags["mlflow.traceName"].endswith(t.info.tags["ragen.filter"])
+            assert [len(v) for v in by_decision.values()] == [1, 1], by_decision
+        dropped = search(uri, exp, f"metadata.`ragen.iteration` = '{k}' AND feedback.`filter_kept` = 'false'")
+        assert len(dropped) == PER_TAG // 2 * len(TAGS)
+        assert all(rows.index(rows_by_env_of(rows, t)) not in kept for t in dropped)
         for trace in found:
             meta = trace.info.trace_metadata
             row = rows[next(i for i, r in enumerate(rows) if r["env_id"] == int(meta["ragen.env_id"]))]
@@ -252,6 +293,9 @@ def test_training_logs_episodes_as_traces_that_search_finds(store: Path, tmp_pat
             assert feedback["score"] == row["score"] and feedback["success"] is row["success"]
             assert feedback["filter_kept"] is (index in kept)
             assert feedback["group_reward_std"] == pytest.approx(statistics.stdev(groups[row["group_id"]]))
+            decision = next(g for g in record["groups"] if g["group_id"] == row["group_id"])
+            assert decision["kept"] is (index in kept)  # filter.json says the same, with the statistics
+            assert decision["score_std"] == pytest.approx(feedback["group_reward_std"])
             check_spans(trace, row)
 
     # by success, across iterations and splits: exactly the Parquet's successful sampled episodes
@@ -263,17 +307,23 @@ def test_training_logs_episodes_as_traces_that_search_finds(store: Path, tmp_pat
             t.info.trace_id for t in search(uri, exp, f"feedback.`success` = '{str(success).lower()}'")
         } == want
 
-    # the final evaluation: tags in turn up to the cap, score and success, no filter feedback
-    val = search(uri, exp, "metadata.`ragen.split` = 'val'")
+    # the final evaluation: tags in turn up to the cap, the same four assessments as a train episode
+    # (no empty column in MLflow's list): validation is not filtered, every episode counts
+    val = search(uri, exp, "tags.`ragen.split` = 'val'")
     rows = rows_by_env(run.eval_file(ITERATIONS))
-    assert sorted(int(t.info.trace_metadata["ragen.env_id"]) for t in val) == [0, 1, 2, 4, 5, 6]
+    assert sorted(int(t.info.trace_metadata["ragen.env_id"]) for t in val) == [0, 1, 2, 3, 5, 6, 7, 8]
     for trace in val:
         row = rows[int(trace.info.trace_metadata["ragen.env_id"])]
         assert trace.info.trace_metadata["ragen.iteration"] == str(ITERATIONS)
         assert {a.name: a.value for a in trace.info.assessments} == {
             "score": row["score"],
             "success": row["success"],
+            "filter_kept": True,
+            "group_reward_std": 0.0,  # groups of one
         }
+        assert all(a.value is not None for a in trace.info.assessments)
+        assert "not filtered" in next(a for a in trace.info.assessments if a.name == "filter_kept").rationale
+        assert "ragen.filter" not in trace.info.tags and trace.info.tags["ragen.split"] == "val"
         check_spans(trace, row)
 
 
@@ -300,19 +350,148 @@ def check_spans(trace: Any, row: dict[str, Any]) -> None:
     messages = row["messages"]
     root = next(s for s in trace.data.spans if s.parent_id is None)
     turns = sorted((s for s in trace.data.spans if s.parent_id is not None), key=lambda s: s.start_time_ns)
-    assert root.span_type == "AGENT" and root.inputs == {"messages": messages[:-1]}
+    assert root.span_type == "AGENT" and unfenced(root.inputs["messages"]) == messages[:-1]
     assert root.outputs == messages[-1]["content"] and root.attributes["ragen.score"] == row["score"]
     assert len(turns) == row["turn_count"] == len(row["turn_rewards"])
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     for t, (span, pos) in enumerate(zip(turns, assistant, strict=True)):
         assert span.span_type == "CHAT_MODEL" and span.name == f"turn {t + 1}"
-        assert span.inputs == {"messages": messages[:pos]} and span.outputs == messages[pos]["content"]
+        assert (
+            unfenced(span.inputs["messages"]) == messages[:pos] and span.outputs == messages[pos]["content"]
+        )
+        assert all(  # every state of the prompt in a code fence, so Markdown keeps its lines
+            m["content"].count("State:\n```\n") == m["content"].count("State:\n") >= 1
+            for m in span.inputs["messages"]
+            if m["role"] == "user"
+        )
         reply = messages[pos + 1]["content"] if pos + 1 < len(messages) else None
         assert span.attributes.get("ragen.env_reply") == reply
         assert span.attributes["ragen.actions"] == row["actions"][t]
         assert span.attributes["ragen.reward"] == row["turn_rewards"][t]
-        assert span.attributes["ragen.action_is_effective"] is (t % 2 == 0)
-    assert trace.info.request_preview == messages[1]["content"]
+        effective = json.loads(row["info"])["infos"][t]["action_is_effective"]
+        assert span.attributes["ragen.action_is_effective"] is effective
+    # the list's request column: the first state on one line, not the instructions every episode shares
+    first_state = messages[1]["content"].split("State:\n")[1].split("\nYou have")[0]
+    assert trace.info.request_preview == f"{row['env_tag']} seed {row['seed']}: " + " / ".join(
+        first_state.splitlines()
+    )
+    assert trace.info.state == ("OK" if row["success"] else "ERROR")
+    assert trace.info.tags["ragen.outcome"] == ("success" if row["success"] else "failed")
+    assert trace.info.tags["mlflow.traceName"].startswith(
+        f"{row['env_tag']} iter {trace.info.tags['ragen.iteration']} {row['split']} group {row['group_id']} "
+        f"#{row['env_id']}: {trace.info.tags['ragen.outcome']}"
+    )
+
+
+def unfenced(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat view's messages without the code-fence lines around states: the stored text."""
+    return [
+        dict(
+            m,
+            content=m["content"]
+            .replace("State:\n```\n", "State:\n")
+            .replace("\n```\nYou have", "\nYou have"),
+        )
+        for m in messages
+    ]
+
+
+def frozen_lake_rollouts(answer: str) -> list[Trajectory]:
+    """FrozenLake episodes played through the real env groups and agent protocol (the grids and
+    messages a policy sees), every turn answered with ``answer``; 2 groups of 2."""
+    from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+
+    protocol = ProtocolConfig()
+    groups = EnvGroups(
+        EnvGroupsConfig(tags=["FrozenLake"], n_groups=[2], group_size=2), protocol, mode="train"
+    )
+    groups.reset()
+    while groups.active_ids():
+        groups.step({i: answer for i in groups.active_ids()})
+    out = []
+    for ep in groups.trajectories():
+        out.append(
+            Trajectory(
+                run_id="lake-run",
+                iteration=1,
+                split="train",
+                env_tag=ep.tag,
+                group_id=ep.group_id,
+                env_id=ep.env_id,
+                seed=ep.seed,
+                turn_count=ep.turns,
+                success=ep.success,
+                truncated=ep.truncated,
+                reward=ep.reward,
+                format_penalty=ep.format_penalty,
+                score=ep.score,
+                input_ids=[1, 2, 3],
+                loss_mask=[0, 1, 1],
+                turn_index=[0, 0, 0],
+                rollout_logprobs=[0.0, -0.5, -0.5],
+                messages=groups.messages(ep.env_id, for_generation=False),
+                actions=ep.actions,
+                turn_rewards=ep.turn_rewards,
+                info={"end_reason": ep.end_reason, "turn_penalties": ep.turn_penalties, "infos": ep.infos},
+            )
+        )
+    return out
+
+
+def test_a_multi_turn_grid_renders_line_by_line_and_a_failed_episode_says_so(
+    store: Path, tmp_path: Path
+) -> None:
+    """MLflow's chat view renders Markdown: a FrozenLake grid outside a code fence lost its line
+    breaks and underscores, and every episode had the green "OK"/"Success" badge. Here a real
+    FrozenLake iteration (one group fails on the action budget, one reaches the goal) goes through
+    the filter stage and the step log into a real store; the chat messages render (CommonMark, as
+    the UI's renderer) with each grid as a code block, line by line, and the failed episode's name,
+    state, tags and feedback say it failed."""
+    from markdown_it import MarkdownIt
+
+    from ragen_core.run.step_log import StepLogger
+
+    cfg = config(tmp_path, "tracking.experiment=lake")
+    run = create_run(cfg, "lake")
+    episodes = frozen_lake_rollouts("<think>up</think><answer>Up || Up</answer>")
+    assert {e.success for e in episodes} == {True, False} and min(e.turn_count for e in episodes) > 1
+    write_trajectories(episodes, run.rollouts(1))
+    filter_stage(cfg, run, 1)
+    tracker = Tracker(cfg.tracking, store)
+    with tracker:
+        mlflow_run = tracker.start("lake", {})
+        StepLogger(tracker, run, "lake", cfg.trainer.iterations).log_rollouts(1)
+    assert tracker.experiment_id is not None
+    traces = search(tracker.tracking_uri, tracker.experiment_id, run_id=mlflow_run)
+    assert len(traces) == len(episodes)  # 4 per tag: both groups, both members
+    md = MarkdownIt("commonmark")
+    for trace in traces:
+        row = rows_by_env_of(read_table(run.rollouts(1)).to_pylist(), trace)
+        check_spans(trace, row)
+        turns = sorted(
+            (s for s in trace.data.spans if s.parent_id is not None), key=lambda s: s.start_time_ns
+        )
+        last_prompt = turns[-1].inputs["messages"]
+        grids = [m["content"] for m in last_prompt if m["role"] == "user"]
+        assert len(grids) == row["turn_count"]
+        for shown, stored in zip(grids, (m for m in row["messages"] if m["role"] == "user"), strict=True):
+            grid = stored["content"].split("State:\n")[1].split("\nYou have")[0]
+            assert len(grid.splitlines()) == 4 and "_" in grid  # a 4x4 FrozenLake grid
+            assert f"<pre><code>{grid}\n</code></pre>" in md.render(shown)  # line by line, underscores kept
+            assert "<pre>" not in md.render(stored["content"])  # what the view showed before
+        failed = not row["success"]
+        assert trace.info.state == ("ERROR" if failed else "OK")
+        assert (
+            trace.info.tags["mlflow.traceName"].split(": ")[1].startswith("failed" if failed else "success")
+        )
+        assert {a.name: a.value for a in trace.info.assessments}["success"] is row["success"]
+        root = next(s for s in trace.data.spans if s.parent_id is None)
+        assert root.status.status_code == ("ERROR" if failed else "OK")
+        if failed:
+            assert root.status.description == "episode failed (end: budget)"
+    found = search(tracker.tracking_uri, tracker.experiment_id, "tags.`ragen.outcome` = 'failed'")
+    assert {t.info.trace_id for t in found} == {t.info.trace_id for t in traces if t.info.state == "ERROR"}
+    assert found and all(t.info.trace_metadata["ragen.success"] == "false" for t in found)
 
 
 def test_a_resumed_run_adds_no_duplicates_and_a_failing_store_goes_offline(
@@ -324,12 +503,13 @@ def test_a_resumed_run_adds_no_duplicates_and_a_failing_store_goes_offline(
     uri, exp, mlflow_run = tracker.tracking_uri, tracker.experiment_id, run.info()["mlflow_run_id"]
     assert exp is not None
     before = {t.info.trace_id: len(t.info.assessments) for t in search(uri, exp, run_id=mlflow_run)}
-    assert len(before) == ITERATIONS * 2 * len(TAGS) + 8
+    assert len(before) == ITERATIONS * PER_TAG * len(TAGS) + 8
 
     # a resume re-logs the steps its MLflow run lacks (here: all of them, as after a lost server)
     again = Tracker(cfg.tracking, store)
     again.start("resume", {}, run_id=mlflow_run)
-    assert again.log_episode_traces(run.rollouts(1), 1, run.read_json(run.filter_file(1))["kept_rows"]) == 0
+    groups = groups_of(run.read_json(run.filter_file(1)), read_table(run.rollouts(1)))
+    assert again.log_episode_traces(run.rollouts(1), 1, groups) == 0
     assert again.log_episode_traces(run.eval_file(ITERATIONS), ITERATIONS) == 0
     after = {t.info.trace_id: len(t.info.assessments) for t in search(uri, exp, run_id=mlflow_run)}
     assert after == before
@@ -368,10 +548,10 @@ def test_rollouts_logged_before_the_step_are_not_logged_twice_and_a_resume_logs_
     assert exp is not None
     logger = StepLogger(tracker, run, "early", cfg.trainer.iterations)
     logger.log_rollouts(1)
-    assert len(search(uri, exp, run_id=mlflow_run)) == 2 * len(TAGS)  # before the step's metrics
+    assert len(search(uri, exp, run_id=mlflow_run)) == PER_TAG * len(TAGS)  # before the step's metrics
     logger.log_step(1, {"a": 1.0})
     logger.log_rollouts(2)  # the process dies before iteration 2's metrics
-    assert len(search(uri, exp, run_id=mlflow_run)) == 2 * 2 * len(TAGS)
+    assert len(search(uri, exp, run_id=mlflow_run)) == 2 * PER_TAG * len(TAGS)
     tracker.end("KILLED")
 
     resumed = Tracker(cfg.tracking, store)
@@ -382,8 +562,8 @@ def test_rollouts_logged_before_the_step_are_not_logged_twice_and_a_resume_logs_
         again.log_step(k, {"a": float(k)})
     resumed.end()
     assert resumed.logged_steps == {1, 2}
-    # no duplicates: 2 per tag and iteration, and the final evaluation's 8 episodes (iteration 2)
-    assert len(search(uri, exp, run_id=mlflow_run)) == ITERATIONS * 2 * len(TAGS) + 8
+    # no duplicates: 4 per tag and iteration, and the final evaluation's 8 episodes (iteration 2)
+    assert len(search(uri, exp, run_id=mlflow_run)) == ITERATIONS * PER_TAG * len(TAGS) + 8
     client = MlflowClient(tracking_uri=uri)
     assert [(m.step, m.value) for m in client.get_metric_history(mlflow_run, "a")] == [(1, 1.0), (2, 2.0)]
     for k in (1, 2):
