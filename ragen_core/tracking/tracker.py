@@ -67,7 +67,7 @@ from ragen_core.tracking.offline import (
     deleted_run_message,
     probe_http,
 )
-from ragen_core.tracking.store import _open_sqlite_client
+from ragen_core.tracking.store import _open_sqlite_client, experiment_artifacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -198,8 +198,10 @@ class Tracker:
         if self._scheme in ("http", "https"):
             return None  # the server's --artifacts-destination / --default-artifact-root
         db = sqlite_file(self.tracking_uri)
-        root = db.resolve().parent if db is not None else self.state_dir.resolve()
-        return (root / "mlartifacts" / metric_key(self.cfg.experiment).replace("/", "_")).as_uri()
+        # beside the store (a SQLite file moves with its state folder), else in the state folder
+        return experiment_artifacts(
+            db if db is not None else self.state_dir / "mlflow.db", self.cfg.experiment
+        )
 
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException
