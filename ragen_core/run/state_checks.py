@@ -92,7 +92,7 @@ def copied_state_problem() -> str | None:
         parts.append(f"{run_index_path().name} names {len(index[1])} run(s) there by absolute path")
     db = sqlite_file(resolve_tracking_uri(TrackingConfig(), state_dir()))
     moved = moved_locations(db) if db is not None and db.is_file() else {}
-    if moved:
+    if db is not None and moved:
         origins.append(str(moved_from(moved)))
         parts.append(f"{db.name} keeps the artifacts of {len(moved)} experiment(s) there")
     if not parts:

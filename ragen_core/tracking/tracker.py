@@ -7,7 +7,8 @@ This package and the run modules that log through it are the only ones that impo
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
 environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:
 ``sqlite:///<state_dir>/mlflow.db`` with artifacts in ``<state_dir>/mlartifacts/<experiment>``
-(never MLflow's own default, which drops ``mlflow.db`` in the working directory). Browse it with
+(never MLflow's own default, which drops ``mlflow.db`` in the working directory; a copied or moved
+state folder's store is pointed at its own ``mlartifacts`` when opened: ``ragen_core.tracking.store``). Browse it with
 ``mlflow ui --backend-store-uri sqlite:///<state_dir>/mlflow.db``. A remote server
 (``http(s)://``) is probed once (``GET /health``) within ``connect_timeout_s``; an unreachable
 one fails at once with the address and the fix, instead of MLflow's retry loop (7 retries with
