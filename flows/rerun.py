@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, Field
 
 from flows.settings import configure_environment
-from ragen_core.run.rerun import rerun_stage
+from ragen_core.run.rerun import log_rerun, rerun_stage
 from ragen_core.run.rerun_checks import RerunError, check_rerun
 from ragen_core.run.run_dir import find_run
 
@@ -24,11 +24,12 @@ class RerunRequest(BaseModel):
 
 @flow(name="ragen-rerun", flow_run_name="rerun/{request.run}/iteration-{request.iteration}/{request.stage}")
 def rerun(request: RerunRequest) -> dict[str, object]:
-    configure_environment()
+    state = configure_environment()
     run = find_run(request.run)
     check_rerun(run, request.iteration, request.stage)
     result = rerun_stage(run, request.iteration, request.stage, request.out_dir)
     get_run_logger().info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
+    mlflow_run = log_rerun(run, result, state)
     return {
         "stage": result.stage,
         "iteration": result.k,
@@ -36,4 +37,5 @@ def rerun(request: RerunRequest) -> dict[str, object]:
         "stored": str(result.stored),
         "identical": result.identical,
         "detail": result.detail,
+        "mlflow_run_id": mlflow_run,
     }

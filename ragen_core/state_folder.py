@@ -50,8 +50,56 @@ def cache_dir() -> Path:
 
 
 def run_index_path() -> Path:
-    """``<state>/runs.json``: run id -> run directory, for every run created with this state folder."""
+    """``<state>/runs.json``: run id -> run directory, for every run created with this state folder.
+    A run inside the state folder is recorded relative to it (:func:`index_entry`), so that a copied or
+    moved folder finds its own runs."""
     return state_dir() / "runs.json"
+
+
+def index_entry(root: str | os.PathLike[str]) -> str:
+    """How the run index (and the MLflow run's tags) record the run directory ``root``: relative to the
+    state folder when it is inside it (``runs/<id>``), else absolute."""
+    root, state = Path(root).resolve(), state_dir().resolve()
+    return root.relative_to(state).as_posix() if root.is_relative_to(state) else str(root)
+
+
+def _copied_here(recorded: Path, state: Path) -> tuple[Path, Path] | None:
+    """(the run directory here, the folder ``recorded`` lies in) when ``state`` holds a run at the place
+    where ``recorded`` is under some other folder: the state folder was copied or moved from there."""
+    parts = recorded.parts
+    for n in range(1, len(parts) - 1):
+        here = state.joinpath(*parts[-n:])
+        if (here / "config.yaml").is_file():
+            return here, Path(*parts[:-n])
+    return None
+
+
+def indexed_run(entry: str) -> Path:
+    """The run directory of a run index entry: a relative one is under the state folder; an absolute one
+    (an index written before entries were relative, or a run outside the state folder) is used as it
+    is, unless it lies outside the state folder and the state folder holds a run at the same place: the
+    folder was copied or moved, and a copy must never read or write the original's runs."""
+    path, state = Path(entry), state_dir()
+    if not path.is_absolute():
+        return state / path
+    if path.is_relative_to(state.resolve()):
+        return path
+    copied = _copied_here(path, state)
+    return copied[0] if copied else path
+
+
+def copied_from() -> tuple[Path, list[str]] | None:
+    """The folder the run index's absolute entries point into when this state folder holds their runs
+    too (it was copied or moved from there), with those run ids; None when no entry does so."""
+    state, found, origin = state_dir(), [], None
+    for run_id, entry in sorted(read_run_index().items()):
+        path = Path(entry)
+        if path.is_absolute() and not path.is_relative_to(state.resolve()):
+            copied = _copied_here(path, state)
+            if copied:
+                found.append(run_id)
+                origin = origin or copied[1]
+    return (origin, found) if origin is not None else None
 
 
 def read_run_index() -> dict[str, str]:
@@ -85,7 +133,7 @@ def locate_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = No
     if not (candidates[0] / "config.yaml").is_file():  # a run directory needs no index
         known = read_run_index().get(run_id_or_path)
         if known:
-            candidates.append(Path(known))
+            candidates.append(indexed_run(known))
     candidates.append(Path(run_root or state_dir() / "runs") / run_id_or_path)
     return next((c for c in candidates if (c / "config.yaml").is_file()), None)
 

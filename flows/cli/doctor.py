@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -99,12 +99,36 @@ def _check_ray(out: Console) -> bool:
     return True
 
 
-def doctor() -> None:
+def _check_copied_state(out: Console, fix: bool) -> None:
+    """A state folder copied or moved from another: where its records point, or (``fix``) what was
+    pointed at it. Never a failure: ragen uses the folder's own files either way. Before the MLflow
+    check, whose tracker would point the store at this folder itself."""
+    from ragen_core.run.state_checks import copied_state_problem, relocate_state
+
+    problem = copied_state_problem()
+    if problem is None:
+        return
+    if not fix:
+        out.print(f"[yellow]MOVED[/] {problem}")
+        return
+    for line in relocate_state():
+        out.print(f"[green]fixed[/] {line}")
+
+
+def doctor(
+    fix: Annotated[
+        bool,
+        typer.Option(
+            "--fix", help="Point a copied or moved state folder's records (runs.json, mlflow.db) at it."
+        ),
+    ] = False,
+) -> None:
     """Check the install: versions, the state folders, Ray, MLflow's store, and any GPU."""
     state = prepare()
     out = console()
     ok = _check_packages(out)
     _check_devices(out, state)
+    _check_copied_state(out, fix)
     ok = _check_mlflow(out, state) and ok
     ok = _check_ray(out) and ok
     if not ok:

@@ -260,6 +260,11 @@ def rerun(
     console().print(
         f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
         f"  rerun:  {result['output']}\n  stored: {result['stored']}"
+        + (
+            f"\n  MLflow: run {result['mlflow_run_id']}, nested under the training run"
+            if result.get("mlflow_run_id")
+            else ""
+        )
     )
     if not result["identical"]:
         raise typer.Exit(2)

@@ -158,9 +158,14 @@ def ui(
     """
     _check_ports(mlflow_port, prefect_port)
     state = prepare()
-    from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri
+    from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri, sqlite_file
+    from ragen_core.tracking.store import relocate_store, store_lock
 
     uri = resolve_tracking_uri(TrackingConfig(), state)
+    db = sqlite_file(uri)
+    if db is not None and db.is_file():  # a copied or moved state folder: show its own artifacts
+        with store_lock(db):
+            relocate_store(db)
     servers = _start_servers(uri, state, mlflow_port, prefect_port)
     out = console()
     out.print(f"starting the MLflow UI (store {uri}) and the Prefect server on 127.0.0.1 ...")

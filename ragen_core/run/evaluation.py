@@ -87,8 +87,19 @@ class Policy:
     val_tags: list[str] | None = None
     #: a run's policy: the run directory (its evaluations are nested under its MLflow run) ...
     run_dir: Path | None = None
-    #: ... and the MLflow LoggedModel of that step, when the run logged one (final, best)
+    #: ... and the MLflow LoggedModel of that step, when the run logged one (final, best) ...
     model_id: str | None = None
+    #: ... and the step: the iterations the policy trained (0: before training), the step its
+    #: evaluation's metrics are logged at, beside the training run's own validation of that step
+    step: int | None = None
+
+    def mlflow_run_name(self) -> str:
+        """The evaluation's MLflow run name: a run's policy by its run and step (``eval-RUN@step30``,
+        also when it was named by an alias such as ``@best``, since the runs of one training run are told
+        apart by their step), anything else by its label."""
+        if self.run_dir is not None and self.step is not None:
+            return f"eval-{self.run_dir.name}@step{self.step}"
+        return f"eval-{self.label}"
 
     def default_tags(self) -> list[str]:
         return list(self.val_tags) if self.val_tags else list(MODEL_DEFAULT_TAGS)
@@ -167,6 +178,7 @@ def resolve_policy(spec: str) -> Policy:
         val_tags=list(cfg.val.tags),
         run_dir=run.root,
         model_id=run.info().get("logged_models", {}).get(str(k)),
+        step=k,
     )
 
 
@@ -329,7 +341,13 @@ class LoggedEvaluation:
 
 def run_tags(policy: Policy, tags: list[str]) -> dict[str, str]:
     """The MLflow tags of an evaluation: what it evaluates, on which tags, which of them are held out."""
-    out = {"ragen.policy": str(policy.path), "ragen.tags": ",".join(tags), "ragen.evaluates": policy.label}
+    from ragen_core.state_folder import index_entry
+
+    # a run's policy folder as runs.json records it (relative to the state folder, which may move)
+    where = index_entry(policy.path) if policy.run_dir is not None else str(policy.path)
+    out = {"ragen.policy": where, "ragen.tags": ",".join(tags), "ragen.evaluates": policy.label}
+    if policy.step is not None:
+        out["ragen.step"] = str(policy.step)
     if policy.model_id:
         out["ragen.model_id"] = policy.model_id
     if policy.train_tags is not None:
@@ -346,9 +364,10 @@ def log_evaluation(
     path: Path,
     state: Path,
 ) -> LoggedEvaluation:
-    """An MLflow run of the evaluation (step 0: its metrics; ``eval/``: the trajectories), nested under
-    the training run of a run's policy (in its experiment), else in :data:`EVAL_EXPERIMENT`; linked
-    to the LoggedModel it evaluated, if any. Nothing when ``request.log_to_mlflow`` is off."""
+    """An MLflow run of the evaluation (:meth:`Policy.mlflow_run_name`; its metrics at the step it
+    evaluated, 0 for a model; ``eval/``: the trajectories), nested under the training run of a run's
+    policy (in its experiment), else in :data:`EVAL_EXPERIMENT`; linked to the LoggedModel it
+    evaluated, if any. Nothing when ``request.log_to_mlflow`` is off."""
     if not request.log_to_mlflow:
         return LoggedEvaluation()
     from ragen_core.config.tracking import TrackingConfig
@@ -362,10 +381,11 @@ def log_evaluation(
     tracker = Tracker(tracking, state)
     params = {**request.model_dump(), "budgets": [b.model_dump() for b in plan]}
     tags = run_tags(policy, list(request.tags or []))
-    mlflow_run = tracker.start(f"eval-{policy.label}", params, tags=tags, parent_run_id=parent)
-    tracker.log_iteration(0, metrics)
+    mlflow_run = tracker.start(policy.mlflow_run_name(), params, tags=tags, parent_run_id=parent)
+    step = policy.step or 0
+    tracker.log_iteration(step, metrics)
     if policy.model_id:  # the LoggedModel's page lists the evaluations of it
-        link_metrics(tracker, mlflow_run, policy.model_id, metrics)
+        link_metrics(tracker, mlflow_run, policy.model_id, metrics, step)
     tracker.log_artifact(path, "eval")
     if tracker.offline is not None:
         _failed_logging(tracker, mlflow_run, path)
@@ -386,13 +406,13 @@ def _failed_logging(tracker: Tracker, mlflow_run: str, path: Path) -> None:
     )
 
 
-def link_metrics(tracker: Tracker, run_id: str, model_id: str, metrics: dict[str, float]) -> None:
-    """The evaluation's metrics (step 0, MLflow run ``run_id``) linked to the LoggedModel it evaluated; a
-    failing store takes the tracker offline, as its own calls do."""
+def link_metrics(tracker: Tracker, run_id: str, model_id: str, metrics: dict[str, float], step: int) -> None:
+    """The evaluation's metrics (logged at ``step`` by MLflow run ``run_id``) linked to the LoggedModel
+    it evaluated; a failing store takes the tracker offline, as its own calls do."""
     from ragen_core.run.logged_models import link_metrics as link
 
     try:
-        link(tracker.client, run_id, model_id, metrics, 0, int(time.time() * 1000))
+        link(tracker.client, run_id, model_id, metrics, step, int(time.time() * 1000))
     except Exception as e:
         tracker.go_offline(f"link the evaluation to model {model_id}", e)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ragen_core.errors import RagenError
 from ragen_core.run.run_dir import RunDir, find_run
-from ragen_core.state_folder import locate_run
+from ragen_core.state_folder import index_entry, locate_run
 from ragen_core.tracking.keys import metric_key
 from ragen_core.tracking.tracker import Tracker
 
@@ -80,7 +80,7 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
                     name=logged_model_name(run_id, step),
                     source_run_id=mlflow_run,
                     tags={RUN_TAG: run_id, STEP_TAG: str(step)},
-                    params={"step": str(step), "policy_dir": str(run.policy_after(step))},
+                    params={"step": str(step), "policy_dir": index_entry(run.policy_after(step))},
                     model_type="transformers",
                 )
                 model_id = model.model_id

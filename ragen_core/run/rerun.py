@@ -122,6 +122,51 @@ def rerun_stage(
         session.close()
 
 
+#: The MLflow tags of a rerun's record: its stage, iteration (evaluate: the step) and verdict.
+RERUN_STAGE_TAG, RERUN_ITERATION_TAG, RERUN_VERDICT_TAG = (
+    "ragen.rerun.stage",
+    "ragen.rerun.iteration",
+    "ragen.rerun.verdict",
+)
+
+
+def log_rerun(run: RunDir, result: RerunResult, state: Path) -> str | None:
+    """Record a rerun in MLflow, beside what it checked: a run nested under the training run (in the
+    training run's store and experiment), named ``rerun-<stage>@iter<k>``, with the stage, iteration
+    and verdict (``identical`` / ``different``) as tags and the detail as its description; its id.
+    None when the training run has no MLflow run (tracking was off or failed); a store that fails now
+    is one warning, never the rerun's verdict."""
+    from ragen_core.state_folder import index_entry
+    from ragen_core.tracking.tracker import Tracker
+
+    parent = run.info().get("mlflow_run_id")
+    if not parent:
+        return None
+    verdict = "identical" if result.identical else "different"
+    try:
+        tracker = Tracker(run.config().tracking, state)
+        mlflow_run = tracker.start(
+            f"rerun-{result.stage}@iter{result.k}",
+            {"stage": result.stage, "iteration": result.k},
+            tags={
+                RERUN_STAGE_TAG: result.stage,
+                RERUN_ITERATION_TAG: str(result.k),
+                RERUN_VERDICT_TAG: verdict,
+                "ragen.rerun.output": index_entry(result.output),
+                "mlflow.note.content": f"{result.stage} of iteration {result.k} rerun: **{verdict}** "
+                f"({result.detail})",
+            },
+            parent_run_id=parent,
+        )
+        tracker.end()
+    except Exception as exc:  # a record is a courtesy: the verdict stands without it
+        import logging
+
+        logging.getLogger(__name__).warning("the rerun was not recorded in MLflow: %s", exc)
+        return None
+    return None if tracker.offline else mlflow_run
+
+
 _NOT_COMPARED = "The stored result is damaged, so the rerun compared nothing; its own output is {out}"
 
 

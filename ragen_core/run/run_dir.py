@@ -24,7 +24,15 @@ import yaml
 from ragen_core.config import ConfigError, RagenConfig, config_hash, dump_config, flatten, load_config
 from ragen_core.errors import RagenError
 from ragen_core.integrity import record, verify
-from ragen_core.state_folder import locate_run, read_run_index, run_index_path, run_not_found, state_dir
+from ragen_core.state_folder import (
+    index_entry,
+    indexed_run,
+    locate_run,
+    read_run_index,
+    run_index_path,
+    run_not_found,
+    state_dir,
+)
 from ragen_core.storage import write_error
 
 
@@ -345,16 +353,34 @@ def create_run(
     return run
 
 
-def _index_add(run_id: str, root: Path) -> None:
-    """Add a run to the state folder's index; a lock beside it keeps concurrent new runs' entries."""
+def _index_add(run_id: str | None, root: Path | None) -> dict[str, str]:
+    """Add a run to the state folder's index (None: add none); a lock beside it keeps concurrent new
+    runs' entries. Entries that point into the folder this one was copied or moved from are recorded
+    as this folder's own at the same time (:func:`~ragen_core.state_folder.indexed_run`). Returns the
+    entries so rewritten (``{run id: old entry}``)."""
     import fcntl
 
     _index_path().parent.mkdir(parents=True, exist_ok=True)
     with open(_index_path().with_name(".runs.json.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         index = read_run_index()
-        index[run_id] = str(root)
-        atomic_write_text(_index_path(), json.dumps(index, indent=1, sort_keys=True), record_digest=False)
+        rewritten = {}
+        for known, entry in index.items():
+            own = index_entry(indexed_run(entry))
+            if own != entry and not Path(own).is_absolute():  # a run outside the folder keeps its entry
+                index[known], rewritten[known] = own, entry
+        if run_id is not None and root is not None:
+            index[run_id] = index_entry(root)
+        if run_id is not None or rewritten:
+            text = json.dumps(index, indent=1, sort_keys=True)
+            atomic_write_text(_index_path(), text, record_digest=False)
+        return rewritten
+
+
+def relocate_index() -> dict[str, str]:
+    """Record the run index's entries relative to this state folder where they point into the folder
+    it was copied or moved from (``ragen doctor --fix``); returns them (``{run id: old entry}``)."""
+    return _index_add(None, None)
 
 
 def find_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> RunDir:

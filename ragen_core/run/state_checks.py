@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri, sqlite_file, uri_scheme_problem
 from ragen_core.errors import RagenError
-from ragen_core.state_folder import read_run_index, run_index_path, state_dir
+from ragen_core.state_folder import copied_from, read_run_index, run_index_path, state_dir
 
 #: The first 16 bytes of every SQLite 3 database file.
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -76,3 +76,43 @@ def state_problems(tracking: TrackingConfig) -> list[str]:
     problems = tracking_problems(tracking)
     index = run_index_problem()
     return problems + ([index] if index else [])
+
+
+def copied_state_problem() -> str | None:
+    """One line when the state folder's records point into the folder it was copied or moved from:
+    the run index's absolute entries of runs this folder holds too, and the local MLflow store's
+    artifact locations (:func:`ragen_core.tracking.store.moved_locations`); None when none do. ragen
+    itself uses this folder's files either way; the line says where the records point and the fix."""
+    from ragen_core.tracking.store import moved_from, moved_locations
+
+    parts, origins = [], []
+    index = copied_from()
+    if index is not None:
+        origins.append(str(index[0]))
+        parts.append(f"{run_index_path().name} names {len(index[1])} run(s) there by absolute path")
+    db = sqlite_file(resolve_tracking_uri(TrackingConfig(), state_dir()))
+    moved = moved_locations(db) if db is not None and db.is_file() else {}
+    if db is not None and moved:
+        origins.append(str(moved_from(moved)))
+        parts.append(f"{db.name} keeps the artifacts of {len(moved)} experiment(s) there")
+    if not parts:
+        return None
+    return (
+        f"state folder {state_dir().resolve()} was copied or moved from {' and '.join(dict.fromkeys(origins))}: "
+        f"{'; '.join(parts)}; ragen uses this folder's own files, and `ragen doctor --fix` points the "
+        "records at it"
+    )
+
+
+def relocate_state() -> list[str]:
+    """Point the state folder's records at it (``ragen doctor --fix``): the run index's entries and the
+    local MLflow store's artifact locations; one line per record changed."""
+    from ragen_core.run.run_dir import relocate_index
+    from ragen_core.tracking.store import relocate_store, store_lock
+
+    done = [f"{run_index_path().name}: {run_id} was {old}" for run_id, old in relocate_index().items()]
+    db = sqlite_file(resolve_tracking_uri(TrackingConfig(), state_dir()))
+    if db is not None and db.is_file():
+        with store_lock(db):
+            done += [f"{db.name}: {old} -> {new}" for old, new in relocate_store(db).items()]
+    return done

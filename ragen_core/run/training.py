@@ -45,6 +45,7 @@ from ragen_core.run.run_lock import RunLock
 from ragen_core.run.session import Session
 from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
+from ragen_core.state_folder import index_entry
 from ragen_core.tracking.tracker import RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
@@ -190,7 +191,7 @@ class Training:
             tags={
                 "ragen.run_id": self.run_id,
                 "ragen.config_hash": config_hash(self.cfg),
-                "ragen.run_dir": str(self.run.root.resolve()),
+                "ragen.run_dir": index_entry(self.run.root),  # relative to the state folder, as runs.json
                 "mlflow.source.git.commit": git_commit(),
                 **(tags or {}),
                 **model_provenance(self.cfg.model.source()),

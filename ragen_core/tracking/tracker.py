@@ -7,7 +7,8 @@ This package and the run modules that log through it are the only ones that impo
 Where the runs go (``resolve_tracking_uri``): ``TrackingConfig.tracking_uri``, else the
 environment variable ``MLFLOW_TRACKING_URI``, else a local store in the project's state folder:
 ``sqlite:///<state_dir>/mlflow.db`` with artifacts in ``<state_dir>/mlartifacts/<experiment>``
-(never MLflow's own default, which drops ``mlflow.db`` in the working directory). Browse it with
+(never MLflow's own default, which drops ``mlflow.db`` in the working directory; a copied or moved
+state folder's store is pointed at its own ``mlartifacts`` when opened: ``ragen_core.tracking.store``). Browse it with
 ``mlflow ui --backend-store-uri sqlite:///<state_dir>/mlflow.db``. A remote server
 (``http(s)://``) is probed once (``GET /health``) within ``connect_timeout_s``; an unreachable
 one fails at once with the address and the fix, instead of MLflow's retry loop (7 retries with
@@ -67,7 +68,7 @@ from ragen_core.tracking.offline import (
     deleted_run_message,
     probe_http,
 )
-from ragen_core.tracking.store import _open_sqlite_client
+from ragen_core.tracking.store import _open_sqlite_client, experiment_artifacts
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -200,8 +201,10 @@ class Tracker:
         if self._scheme in ("http", "https"):
             return None  # the server's --artifacts-destination / --default-artifact-root
         db = sqlite_file(self.tracking_uri)
-        root = db.resolve().parent if db is not None else self.state_dir.resolve()
-        return (root / "mlartifacts" / metric_key(self.cfg.experiment).replace("/", "_")).as_uri()
+        # beside the store (a SQLite file moves with its state folder), else in the state folder
+        return experiment_artifacts(
+            db if db is not None else self.state_dir / "mlflow.db", self.cfg.experiment
+        )
 
     def _experiment_id(self) -> str:
         from mlflow.exceptions import MlflowException

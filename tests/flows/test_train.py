@@ -524,3 +524,66 @@ def test_unreachable_tracking_server_fails_fast(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "http://127.0.0.1:9" in out.stderr + out.stdout and "unreachable" in out.stderr + out.stdout
     assert elapsed < 120
+
+
+def listing(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``folder`` with its size and mtime: what work on a copy must leave unchanged."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_copied_state_folder_works_as_its_own_and_never_writes_the_original(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`cp -a STATE COPY` of a trained run's state folder, whose run index is as ragen-flow wrote it before
+    (absolute entries into the original): show, rerun, resume and evaluate on the copy use the copy's
+    run and MLflow store; the rerun and the evaluation are MLflow runs nested under the training run,
+    the evaluation named after the step it evaluated and logged at that step; nothing of the original
+    changes."""
+    from mlflow.tracking import MlflowClient
+
+    from ragen_core.run.rerun import RERUN_ITERATION_TAG, RERUN_STAGE_TAG, RERUN_VERDICT_TAG
+
+    state, run = reference
+    copy = tmp_path / "copy"
+    shutil.copytree(state, copy, symlinks=True)
+    (copy / "runs.json").write_text(json.dumps({run.name: str(run.resolve())}))
+    before = listing(state)
+    here = copy / "runs" / run.name
+
+    shown = ragen(["show", f"{run.name}/iter_0003"], copy)
+    assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+    rerun = ragen(["rerun", run.name, "--iteration", "3", "--stage", "learn"], copy)
+    assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert (here / "reruns" / "iter_0003" / "checkpoint").is_dir()
+    resumed = ragen(["train", "--resume", run.name, "--set", "trainer.iterations=4"], copy)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert (here / "iter_0004" / "DONE").exists() and not (run / "iter_0004").exists()
+    evaluated = ragen(["evaluate", f"{run.name}@4", "--n", "4", "--max-new-tokens", "8"], copy)
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    assert listing(state) == before
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{copy.resolve() / 'mlflow.db'}")
+    training = client.get_run(json.loads((here / "run.json").read_text())["mlflow_run_id"])
+    assert training.info.artifact_uri.startswith((copy.resolve() / "mlartifacts").as_uri())
+    assert mlflow_steps(copy, here) == [0, 1, 2, 3, 4]
+    assert {a.path for a in client.list_artifacts(training.info.run_id, "rollouts")} >= {"rollouts/iter_0004"}
+    assert (copy / "mlartifacts").is_dir() and training.data.tags["ragen.run_dir"] == f"runs/{run.name}"
+    nested = client.search_runs(
+        [training.info.experiment_id], f"tags.mlflow.parentRunId = '{training.info.run_id}'"
+    )
+    by_name = {r.info.run_name: r for r in nested}
+    evaluation = by_name[f"eval-{run.name}@step4"]
+    assert evaluation.data.tags["ragen.step"] == "4"
+    steps = {m.step for m in client.get_metric_history(evaluation.info.run_id, "val-env/Bandit/success")}
+    assert steps == {4}
+    record = by_name["rerun-learn@iter3"].data.tags
+    assert (record[RERUN_STAGE_TAG], record[RERUN_ITERATION_TAG], record[RERUN_VERDICT_TAG]) == (
+        "learn",
+        "3",
+        "identical",
+    )
+    assert "nested under the training run" in rerun.stdout

@@ -348,8 +348,8 @@ def test_unreachable_server_fails_fast(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """The first new store is built by MLflow and kept, without its default experiment, as the template;
-    later new stores are copies that MLflow opens as its own (default experiment where it puts it,
-    ours next); a damaged template is dropped and the store built anew."""
+    later new stores are copies that MLflow opens as its own (its default experiment, ours next); a
+    damaged template is dropped and the store built anew."""
     from ragen_core.tracking.store import store_template
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -368,7 +368,9 @@ def test_new_stores_start_from_a_cached_empty_store(monkeypatch: pytest.MonkeyPa
     assert template.is_file()
     copied = experiments(tmp_path / "b")
     assert [e[:2] for e in built] == [e[:2] for e in copied] == [("0", "Default"), ("1", "mine")]
-    assert copied[0][2] == built[0][2]  # the default experiment's location is MLflow's, not the template's
+    # every experiment's artifacts beside its store, MLflow's default one too (not in the working directory)
+    assert built[0][2] == (tmp_path / "a" / "mlartifacts" / "Default").resolve().as_uri()
+    assert copied[0][2] == (tmp_path / "b" / "mlartifacts" / "Default").resolve().as_uri()
     assert copied[1][2] == (tmp_path / "b" / "mlartifacts" / "mine").resolve().as_uri()
 
     template.write_bytes(b"not a database")
