@@ -90,6 +90,10 @@ class SettingsMismatchError(RemoteEnvError):
 class _Lost(Exception):
     """The connection went away (or timed out): a reconnect and replay may still save the episode."""
 
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
 
 def http_url(url: str) -> str:
     """The server's HTTP base for a ``ws://``, ``wss://``, ``http://`` or ``https://`` URL."""
@@ -261,7 +265,7 @@ class RemoteEnv(Env):
             raw = self._ws.recv(timeout=self.timeout_s)
         except TimeoutError as exc:
             self._drop()
-            raise _Lost(f"no answer in {self.timeout_s:g} s") from exc
+            raise _Lost(f"no answer in {self.timeout_s:g} s", timed_out=True) from exc
         except PayloadTooBig as exc:
             self._drop()
             raise self._too_large(str(exc)) from None
@@ -322,15 +326,20 @@ class RemoteEnv(Env):
         try:
             return self._exchange(message)
         except _Lost as exc:
-            last = str(exc)
+            last = exc
         for attempt in range(1, self.retries + 1):
             time.sleep(min(0.2 * 2 ** (attempt - 1), 2.0))
             try:
                 self._replay()
                 return self._exchange(message)
             except _Lost as exc:
-                last = str(exc)
+                last = exc
         where = "at a reset" if self._seed is None else f"in the episode of seed {self._seed}"
+        if last.timed_out:
+            raise ServerTimeoutError(
+                f"{self.ws_url} did not answer a {message['type']} {where} within timeout_s={self.timeout_s:g} s, "
+                f"{self.retries + 1} times; raise the config's remote timeout_s if the environment is that slow"
+            )
         raise ServerLostError(
             f"lost {self.ws_url} {where} after {len(self._played)} steps, and {self.retries} reconnects "
             f"failed (last: {last}); is the server still running? Nothing of this rollout was stored"
