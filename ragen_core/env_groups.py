@@ -11,11 +11,12 @@ in RAGEN.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import envs
 from envs.base import Env
@@ -37,6 +38,7 @@ __all__ = [
     "EpisodeSummary",
     "GroupsConfig",
     "Mode",
+    "RemoteEnvConfig",
     "StepOutcome",
 ]
 
@@ -47,6 +49,40 @@ DEFAULT_SEEDS: dict[str, int] = {"train": 10000, "val": 123}
 
 #: Info keys every tag reports (0 when an env never produced them).
 _CORE_INFO_KEYS = ("action_is_valid", "action_is_effective")
+
+
+class RemoteEnvConfig(BaseModel):
+    """A tag played on a server (docs/environments.md, "Environments over the wire")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str  # ws://host:port (http:// works too)
+    protocol: Literal["openenv"] = "openenv"
+    timeout_s: float = Field(default=30.0, gt=0)  # for one answer; a slower server counts as lost
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    retries: int = Field(default=2, ge=0)  # reconnects (each replays the episode) before the rollout fails
+    max_observation_bytes: int = Field(default=1_000_000, ge=1024)
+    action_field: str = "message"  # the text field of the server's action
+    observation_field: str = "text"  # the text field of its observation
+    token_env: str | None = None  # name of the environment variable holding the server's token
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        if not v.startswith(("ws://", "wss://", "http://", "https://")):
+            raise ValueError(f"remote url {v!r} must start with ws://, wss://, http:// or https://")
+        return v
+
+    def token(self) -> str | None:
+        if self.token_env is None:
+            return None
+        value = os.environ.get(self.token_env)
+        if not value:
+            raise ValueError(
+                f"remote token_env={self.token_env!r}: that environment variable is not set; export the "
+                "server's token in it"
+            )
+        return value
 
 
 class EnvGroupsConfig(BaseModel):
@@ -64,6 +100,7 @@ class EnvGroupsConfig(BaseModel):
     env_groups: int | None = None  # optional cross-check: must equal sum(n_groups)
     seed: int | None = None
     env_overrides: dict[str, dict[str, Any]] = {}  # tag -> env_config overrides for envs.make
+    remote: dict[str, RemoteEnvConfig] = {}  # tag -> the server that plays it instead of this process
 
     @field_validator("group_size")
     @classmethod
@@ -93,6 +130,9 @@ class EnvGroupsConfig(BaseModel):
         unknown = set(self.env_overrides) - set(self.tags)
         if unknown:
             raise ValueError(f"env_overrides for tags not in tags: {sorted(unknown)}")
+        unknown = set(self.remote) - set(self.tags)
+        if unknown:
+            raise ValueError(f"remote for tags not in tags: {sorted(unknown)}")
         return self
 
     @property
@@ -188,6 +228,40 @@ def _default_make(tag: str, **overrides: Any) -> Env:
     return envs.make(tag, **overrides)
 
 
+def remote_maker(tag: str, remote: RemoteEnvConfig, overrides: dict[str, Any]) -> Callable[[], Env]:
+    """Builds sessions of ``remote`` playing ``tag``: the server is asked once what it plays (down, or
+    other settings than ``overrides``: one error, before any episode), then each call opens a session."""
+    from envs.wire.client import RemoteEnv, check_action_field, check_settings, probe
+
+    token = remote.token()
+    info = probe(remote.url, token, remote.connect_timeout_s, tag)
+    try:
+        local = envs.spec(tag, **overrides)
+    except envs.UnknownEnvError:
+        local = None  # a tag of the server only: its spec comes from the server
+    expected = local.env_config if local is not None else dict(overrides)
+    check_action_field(info, remote.action_field)
+    check_settings(info, tag, expected)
+
+    def make() -> Env:
+        return RemoteEnv(
+            remote.url,
+            tag=tag,
+            timeout_s=remote.timeout_s,
+            connect_timeout_s=remote.connect_timeout_s,
+            retries=remote.retries,
+            max_observation_bytes=remote.max_observation_bytes,
+            action_field=remote.action_field,
+            observation_field=remote.observation_field,
+            token=token,
+            env_config=expected,
+            spec=local,
+            info=info,
+        )
+
+    return make
+
+
 class EnvGroups:
     """P x N env instances, laid out contiguously by tag; ``group_id = env_id // group_size``.
 
@@ -215,8 +289,10 @@ class EnvGroups:
         env_id = 0
         for tag, n in zip(config.tags, config.n_groups, strict=True):
             overrides = config.env_overrides.get(tag, {})
+            remote = config.remote.get(tag)
+            make_remote = remote_maker(tag, remote, overrides) if remote is not None else None
             for _ in range(n * self.group_size):
-                env = self._make(tag, **overrides)
+                env = make_remote() if make_remote is not None else self._make(tag, **overrides)
                 spec = getattr(env, "spec", None)
                 if not isinstance(spec, EnvSpec):
                     spec = envs.spec(tag, **overrides)

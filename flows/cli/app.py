@@ -11,6 +11,7 @@ import typer
 from flows.cli.common import CONTEXT_SETTINGS, RagenGroup, package_version
 from flows.cli.demo import demo
 from flows.cli.doctor import doctor
+from flows.cli.env import env_app
 from flows.cli.model import model_app
 from flows.cli.pipeline import evaluate, rerun, train
 from flows.cli.probe import probe
@@ -55,3 +56,4 @@ for command in (show, demo, train, probe, evaluate, rerun, ui, doctor):
     app.command()(command)
 app.add_typer(sweep_app, name="sweep")
 app.add_typer(model_app, name="model")
+app.add_typer(env_app, name="env")

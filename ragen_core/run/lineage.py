@@ -47,6 +47,8 @@ def env_dataset(groups: EnvGroupsConfig, mode: str, cfg: RagenConfig) -> dict[st
                 "env_type": (s := envs.spec(tag, **groups.env_overrides.get(tag, {}))).env_type,
                 "max_actions_per_traj": s.max_actions_per_traj,
                 "env_config": s.env_config,
+                # a remote tag's episodes are the server's: the data is named by where it came from
+                **({"remote": groups.remote[tag].url} if tag in groups.remote else {}),
             }
             for tag in dict.fromkeys(groups.tags)
         },

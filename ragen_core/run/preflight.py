@@ -97,9 +97,26 @@ def preflight(cfg: RagenConfig, min_free_gb: float = 1.0) -> None:
     problems = state_problems(cfg.tracking) + _engine_problems(cfg) + model_problems(cfg)
     problems += spelling_problems(cfg)
     problems += _device_problems(cfg)
+    problems += remote_env_problems(cfg)
     problems += _run_root_problems(cfg, min_free_gb)
     if problems:
         raise PreflightError("cannot start this run:\n  " + "\n  ".join(problems))
+
+
+def remote_env_problems(cfg: RagenConfig) -> list[str]:
+    """Each server of ``train.remote`` / ``val.remote``: up, speaking OpenEnv with a text action, and
+    (ours) playing the config's settings; asked once per server and tag, before any work."""
+    from envs.wire.client import RemoteEnvError
+    from ragen_core.env_groups import remote_maker
+
+    problems: list[str] = []
+    for key, groups in (("train.remote", cfg.train), ("val.remote", cfg.val)):
+        for tag, remote in groups.remote.items():
+            try:
+                remote_maker(tag, remote, groups.env_overrides.get(tag, {}))
+            except (RemoteEnvError, ValueError) as exc:
+                problems.append(f"{key}.{tag}: {exc}")
+    return problems
 
 
 def model_problems(cfg: RagenConfig) -> list[str]:
