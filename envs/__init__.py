@@ -1,7 +1,9 @@
-"""ragen-flow environments: Bandit, Sokoban, FrozenLake, Countdown, MathQA, and plug-ins.
+"""ragen-flow environments: Bandit, Sokoban, FrozenLake, Countdown, MathQA, WebShop, and plug-ins.
 
 ``envs.make(tag, **overrides)`` builds an environment from the tag catalogue (``catalogue.yaml``).
-This package depends on the standard library and numpy only (never torch).
+The environments depend on the standard library and numpy only (never torch); WebShop's search adds
+bm25s, and ``envs.wire`` (environments served and played over OpenEnv's protocol) websockets,
+FastAPI and uvicorn, imported only when a server or a remote tag is used.
 """
 
 from envs.base import Env, StepResult
