@@ -83,7 +83,7 @@ test: $(STAMP) $(VLLM_STAMP) $(OPENENV_STAMP) models
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not slow and not vllm" --durations=10
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not openenv" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
