@@ -75,6 +75,21 @@ def name_flow_run(name: str, log: Any) -> None:
         log.warning("could not name the Prefect flow run %r: %s", name, exc)
 
 
+#: Where ``ragen ui`` serves the Prefect UI by default: the address of a flow run of the ephemeral server
+#: a ``ragen`` command starts when no PREFECT_API_URL is set (that server has no UI of its own).
+LOCAL_PREFECT_UI = "http://127.0.0.1:4200"
+
+
+def flow_run_url(flow_run_id: str) -> str:
+    """The flow run's page in the Prefect UI: on the server this process talks to (its UI address,
+    Prefect's ``ui_url``), else on the UI that ``ragen ui`` serves."""
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id, default_base_url=LOCAL_PREFECT_UI) or (
+        f"{LOCAL_PREFECT_UI}/runs/flow-run/{flow_run_id}"
+    )
+
+
 def link_mlflow_run(run_id: str, url: str | None, mlflow_run_id: str) -> None:
     """A link artifact on the flow run pointing at its MLflow run (a run on a store without a UI
     address gets a markdown artifact naming the MLflow run id instead)."""

@@ -22,7 +22,7 @@ from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
-from flows.reporting import PrefectObserver, link_mlflow_run, name_flow_run, progress_logger
+from flows.reporting import PrefectObserver, flow_run_url, link_mlflow_run, name_flow_run, progress_logger
 from flows.service_watch import watch_prefect_server
 from flows.settings import configure_environment, deprioritise_ephemeral_server, ephemeral_server_pids
 from ragen_core.config import RagenConfig
@@ -190,7 +190,9 @@ def _train(request: TrainRequest) -> dict[str, Any]:
         context = get_run_context()
         assert isinstance(context, FlowRunContext) and context.flow_run is not None  # this flow's run
         mlflow_run = training.start_tracking(
-            request.parent_run_id, {"prefect.flow_run_id": str(context.flow_run.id)}
+            request.parent_run_id,
+            {"prefect.flow_run_id": str(context.flow_run.id)},
+            (f"train/{training.run_id}", flow_run_url(str(context.flow_run.id))),
         )
         link_mlflow_run(training.run_id, tracker.run_url(mlflow_run), mlflow_run)
         warm_start_task(str(run.root))

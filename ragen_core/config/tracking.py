@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 BackgroundMode = Literal["process", "thread", "off"]
+MetricsLevel = Literal["core", "all"]
 
 
 class TrackingConfig(BaseModel):
@@ -62,6 +63,24 @@ class TrackingConfig(BaseModel):
         "ends; a failing store takes the tracker offline and training goes on, any other error stops "
         "the run at the next iteration. true / false (older configs) read as process / off",
     )
+
+    metrics: MetricsLevel = Field(
+        default="core",
+        description="which of an iteration's metrics go to MLflow: core (about 15: validation success per "
+        "tag, train success, score, the filter's kept share, in-group reward std, entropy, KL, gradient "
+        "norm, response length, iteration time; ragen_core.tracking.keys.CORE_METRICS) or all (every "
+        "metric, about 130). The run folder's metrics.json keeps every metric either way",
+    )
+
+    @field_validator("metrics", mode="before")
+    @classmethod
+    def _known_level(cls, v: Any) -> Any:
+        if v not in ("core", "all"):
+            raise ValueError(
+                "no such level: use core (the key curves, the default) or all (every metric of an "
+                "iteration), e.g. --set tracking.metrics=all"
+            )
+        return v
 
     @field_validator("tracking_uri")
     @classmethod

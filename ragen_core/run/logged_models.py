@@ -16,7 +16,7 @@ import math
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ from typing import Any
 from ragen_core.errors import RagenError
 from ragen_core.run.run_dir import RunDir, find_run
 from ragen_core.state_folder import index_entry, locate_run
-from ragen_core.tracking.keys import metric_key
+from ragen_core.tracking.keys import metric_key, tracked_metrics
 from ragen_core.tracking.tracker import Tracker
 
 #: The registry aliases of a run's kept policies.
@@ -56,10 +56,12 @@ def step_metrics(run: RunDir, step: int) -> dict[str, float]:
     return {k: float(v) for k, v in out.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
-def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None]) -> dict[str, str]:
+def log_kept_models(
+    tracker: Tracker, run: RunDir, steps: dict[str, int | None], core_extra: Sequence[str] = ()
+) -> dict[str, str]:
     """Log each kept step (``{"final": 12, "best": 9}``) as a LoggedModel of the tracker's run (once per
-    step), link its metrics, register it under the run id and point the alias at it. Returns
-    ``{alias: model_id}``; nothing (and no error) when the tracker is offline or artifacts are off."""
+    step), link its metrics (those ``tracking.metrics`` sends; ``core_extra``: beyond the core set),
+    register it under the run id and point the alias at it. Returns ``{alias: model_id}``; nothing (and no error) when the tracker is offline or artifacts are off."""
     if tracker.run_id is None or tracker.offline is not None or not tracker.cfg.log_artifacts:
         return {}
 
@@ -87,7 +89,9 @@ def log_kept_models(tracker: Tracker, run: RunDir, steps: dict[str, int | None])
                 client.log_model_artifacts(model_id, str(run.policy_after(step)))
                 client.finalize_logged_model(model_id, "READY")
                 default = int(os.path.getmtime(run.policy_after(step)) * 1000)
-                link_metrics(client, mlflow_run, model_id, step_metrics(run, step), step, default)
+                # what the run sent of the step (``tracking.metrics``): a linked metric is also the run's
+                linked = tracked_metrics(step_metrics(run, step), tracker.cfg.metrics, core_extra)
+                link_metrics(client, mlflow_run, model_id, linked, step, default)
                 logged[str(step)] = model_id
                 run.update_info(logged_models=logged)
             out[alias] = model_id

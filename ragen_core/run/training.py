@@ -46,7 +46,8 @@ from ragen_core.run.session import Session
 from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
 from ragen_core.state_folder import index_entry
-from ragen_core.tracking.tracker import RunStatus, Tracker
+from ragen_core.tracking.keys import tracked_metrics
+from ragen_core.tracking.tracker import DESCRIPTION_TAG, FLOW_RUN_URL_TAG, RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.
@@ -153,6 +154,8 @@ class Training:
         self.info: dict[str, Any] = run.info()
         self.run_id: str = self.info["run_id"]
         self.mlflow_run: str | None = None
+        #: the Prefect flow run that trains the run, as (name, UI address): linked from the description
+        self.flow_run: tuple[str, str] | None = None
         self.session: Session | None = None
         self.monitor = EchoTrapMonitor(cfg.monitor)
         self.step_logger = StepLogger(tracker, run, self.run_id, cfg.trainer.iterations)
@@ -181,8 +184,17 @@ class Training:
             self.log.warning(offline)
 
     # 1. tracking and the live parts ----------------------------------------------------------------
-    def start_tracking(self, parent_run_id: str | None = None, tags: Mapping[str, str] | None = None) -> str:
-        """Start (or, resuming, reopen) the MLflow run with the config as params and provenance tags."""
+    def start_tracking(
+        self,
+        parent_run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        flow_run: tuple[str, str] | None = None,
+    ) -> str:
+        """Start (or, resuming, reopen) the MLflow run with the config as params and provenance tags.
+        ``flow_run``: the Prefect flow run that trains it, as (name, UI address): a tag and a link in the
+        run's description, which says what runs until :meth:`finish` adds what it reached."""
+        if flow_run is not None:
+            self.flow_run = flow_run
         self.log.info("run %s in %s", self.run_id, self.run.root)
         wait_for_earlier_logging(self.run.root)  # a killed process's logging process may still be at work
         self.mlflow_run = self.tracker.start(
@@ -194,12 +206,17 @@ class Training:
                 "ragen.run_dir": index_entry(self.run.root),  # relative to the state folder, as runs.json
                 "mlflow.source.git.commit": git_commit(),
                 **(tags or {}),
+                **({FLOW_RUN_URL_TAG: flow_run[1]} if flow_run else {}),
                 **model_provenance(self.cfg.model.source()),
             },
             run_id=self.info.get("mlflow_run_id"),
             parent_run_id=parent_run_id,
         )
         self.run.update_info(mlflow_run_id=self.mlflow_run)
+        description = run_description(
+            self.cfg, self.run, self.run_id, self.run.last_complete(), None, self.flow_run
+        )
+        self.tracker.set_tags({DESCRIPTION_TAG: description})
         self.background = open_step_log(self.cfg.tracking.background, self.step_logger)
         self.system_metrics = SystemMetrics(self.tracker, self.cfg.tracking.system_metrics).start()
         return self.mlflow_run
@@ -233,7 +250,7 @@ class Training:
             self.monitor.update(k, metrics)
             if (to := run.rolled_back_to(k)) is not None:
                 self.monitor.reset_to(to)
-            self.step_logger.log_step(k, metrics)
+            self.step_logger.log_step(k, self._tracked(metrics))
         if last == 0 and eval_due(cfg, 0) and not run.eval_metrics_file(0).exists():
             self._step_zero(dict(evaluate(0)))
         if last < cfg.trainer.iterations:
@@ -251,7 +268,7 @@ class Training:
     def _step_zero(self, metrics: dict[str, float]) -> None:
         """The warm start's validation: logged, and the monitor's reference for validation success."""
         self.monitor.update(0, metrics)
-        self.step_logger.log_step(0, metrics)
+        self.step_logger.log_step(0, self._tracked(metrics))
 
     # 3. the loop ---------------------------------------------------------------------------------
     def iterate(self, iteration: Iteration, start: int) -> int:
@@ -309,7 +326,7 @@ class Training:
         if signals:
             self._signal(k, signals)
             metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
-        self._queue("log_step", k, dict(metrics))
+        self._queue("log_step", k, self._tracked(metrics))
         total = self.cfg.trainer.iterations
         line = iteration_line(k, total, metrics, self.clock.lap(), self.clock.eta(k))
         self.progress.info(line)
@@ -341,6 +358,11 @@ class Training:
         if self.cfg.tracking.log_artifacts:
             self._queue("log_artifact", event, "rollbacks")
 
+    def _tracked(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """What of a step's metrics goes to MLflow (``tracking.metrics``); the core set also holds the keys
+        the Echo-Trap monitor reads, which the sweep report replays from MLflow."""
+        return tracked_metrics(metrics, self.cfg.tracking.metrics, self.cfg.monitor.metric_keys())
+
     def _queue(self, call: str, *args: Any) -> None:
         """A tracking call for the step log (at once when tracking has not started: no MLflow run yet)."""
         if self.background is None:
@@ -357,10 +379,14 @@ class Training:
             self.background.flush()  # the training process's tracker holds the run again
         best, final_step = run.best_step(k), run.start_of(k + 1)  # where a last rollback went back to
         self.tracker.set_tags({"ragen.last_iteration": str(k), "ragen.best_step": str(best)})
-        self.tracker.set_tags({"mlflow.note.content": run_description(self.cfg, run, self.run_id, k, best)})
+        self.tracker.set_tags(
+            {DESCRIPTION_TAG: run_description(self.cfg, run, self.run_id, k, best, self.flow_run)}
+        )
         if self.cfg.tracking.log_artifacts:
             self.tracker.log_plots(run.root / "plots")
-        models = log_kept_models(self.tracker, run, {"final": final_step or None, "best": best})
+        models = log_kept_models(
+            self.tracker, run, {"final": final_step or None, "best": best}, self.cfg.monitor.metric_keys()
+        )
         self.status = "FINISHED"
         final = run.read_json(run.metrics_file(k)) if k > 0 else {}
         url = self.tracker.run_url(self.mlflow_run) if self.mlflow_run else None
@@ -386,8 +412,17 @@ class Training:
         }
 
 
-def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best: int | None) -> str:
-    """The MLflow run's description (markdown): what ran, and what it reached, per validation tag."""
+def run_description(
+    cfg: RagenConfig,
+    run: RunDir,
+    run_id: str,
+    last: int,
+    best: int | None,
+    flow_run: tuple[str, str] | None = None,
+) -> str:
+    """The MLflow run's description (markdown, the run page's top): what ran, the Prefect flow run that
+    ran it (``flow_run``: name, UI address), and the validation table: success per validation tag at
+    each evaluated step, held-out tags marked, the best step's row in bold."""
     algo = cfg.learner.algorithm
     model = cfg.model.imported or cfg.model.path or "the tiny local model (built from environment text)"
     warm = " after an SFT warm start" if cfg.sft is not None else ""
@@ -396,20 +431,37 @@ def run_description(cfg: RagenConfig, run: RunDir, run_id: str, last: int, best:
         f"on {', '.join(cfg.train.tags)} with {model}{warm}, {last} of {cfg.trainer.iterations} iterations "
         f"({sum(cfg.train.n_groups)} groups x {cfg.train.group_size} per iteration).",
     ]
-    steps = [s for s in range(0, last + 1) if run.eval_metrics_file(s).exists()]
-    if steps:
-        first, end = (run.read_json(run.eval_metrics_file(s)) for s in (steps[0], steps[-1]))
-        for tag in dict.fromkeys(cfg.val.tags):
-            key = f"val-env/{tag}/success"
-            if key in first and key in end:
-                held_out = "" if tag in cfg.train.tags else " (held out)"
-                lines.append(
-                    f"- validation success on {tag}{held_out}: {first[key]:.3f} at step {steps[0]} -> "
-                    f"{end[key]:.3f} at step {steps[-1]}"
-                )
+    if flow_run is not None:
+        lines += ["", f"Prefect flow run: [{flow_run[0]}]({flow_run[1]})"]
+    table = validation_table(cfg, run, last, best)
+    if table:
+        lines += ["", "Validation success per tag:", "", *table]
     if best is not None:
-        lines.append(f"- best step: {best} (registered as `models:/{run_id}@best`)")
+        lines += ["", f"Best step: {best} (registered as `models:/{run_id}@best`)"]
     return "\n".join(lines)
+
+
+def validation_table(cfg: RagenConfig, run: RunDir, last: int, best: int | None) -> list[str]:
+    """A markdown table of the validation success per tag (columns) at each evaluated step up to
+    ``last`` (rows), from the run folder; no lines when no step was evaluated."""
+    rows: list[tuple[int, dict[str, Any]]] = [
+        (s, run.read_json(run.eval_metrics_file(s)))
+        for s in range(0, last + 1)
+        if run.eval_metrics_file(s).exists()
+    ]
+    tags = [t for t in dict.fromkeys(cfg.val.tags) if any(f"val-env/{t}/success" in m for _, m in rows)]
+    if not tags:
+        return []
+    head = [t + ("" if t in cfg.train.tags else " (held out)") for t in tags]
+    out = ["| step | " + " | ".join(head) + " |", "|---:|" + "---:|" * len(tags)]
+    for step, metrics in rows:
+        cells = [
+            f"{metrics[f'val-env/{t}/success']:.3f}" if f"val-env/{t}/success" in metrics else "-"
+            for t in tags
+        ]
+        label = f"**{step}** (best)" if step == best else str(step)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 def git_commit() -> str:

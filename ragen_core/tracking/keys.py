@@ -1,11 +1,16 @@
 """Names and tag texts as MLflow takes them: a metric, param or tag name MLflow accepts
 (:func:`metric_key`), and the ``ragen.logged_steps`` tag's list of steps (:func:`format_steps`,
-:func:`parse_steps`), and the history of a param a resume changed (:func:`resumed_value_tags`)."""
+:func:`parse_steps`), the history of a param a resume changed (:func:`resumed_value_tags`), and the
+metrics a training run sends to MLflow (:data:`CORE_METRICS`, :func:`tracked_metrics`)."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
+
+from ragen_core.config.tracking import MetricsLevel
 
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 
@@ -60,3 +65,46 @@ def resumed_value_tags(
             history = f"{history} -> {value}"
         out[tag] = history if len(history) <= 5000 else "... " + history[-4996:]
     return out
+
+
+#: What a training run sends to MLflow with ``tracking.metrics: core`` (the default), as names or globs
+#: of the run's own metric names: the curves a researcher reads first, and every key that something
+#: reads back from MLflow (the run's plots, the sweep report's comparison, curves and Echo-Trap replay,
+#: the kept models' metrics). ``tracking.metrics: all`` sends every metric; the run folder's
+#: ``metrics.json`` keeps every metric either way.
+CORE_METRICS: tuple[str, ...] = (
+    "val-env/success",  # validation success: over the tags, and per tag
+    "val-env/*/success",
+    "train/success",  # training success over the train tags
+    "score/mean",  # the training trajectories' mean score, before the filter
+    "rollout/filter_kept_ratio",  # the share of groups the filter kept
+    "rollout/in_group_std",  # in-group reward std, before the filter (Echo-Trap's first signal)
+    "actor/entropy",
+    "actor/ppo_kl",  # KL to the rollout policy; with a KL loss or penalty, that term too
+    "actor/kl_loss",
+    "actor/reward_kl_penalty",
+    "actor/grad_norm",  # pre-clip
+    "critic/grad_norm",
+    "response_length/mean",
+    "timing_s/step",  # the iteration's wall time
+    "perf/total_num_tokens",  # the sweep report's token count
+    "collapse/mi_estimate",  # RAGEN-2's template collapse (every monitor.collapse_every iterations)
+    "monitor/*",  # an Echo-Trap signal, at the step it fired
+    "tracking/*",  # the tracker's own counts (non-finite values skipped)
+)
+
+V = TypeVar("V")
+
+
+def is_core_metric(name: str, extra: Iterable[str] = ()) -> bool:
+    """Whether ``name`` is one of :data:`CORE_METRICS` or of ``extra`` (names or globs)."""
+    return any(fnmatch.fnmatchcase(name, pat) for pat in (*CORE_METRICS, *extra))
+
+
+def tracked_metrics(metrics: Mapping[str, V], level: MetricsLevel, extra: Iterable[str] = ()) -> dict[str, V]:
+    """The part of ``metrics`` that goes to MLflow at ``tracking.metrics`` ``level``: all of them, or the
+    core ones (:data:`CORE_METRICS` and ``extra``, e.g. the keys the run's Echo-Trap monitor reads)."""
+    if level == "all":
+        return dict(metrics)
+    patterns = tuple(extra)
+    return {k: v for k, v in metrics.items() if is_core_metric(k, patterns)}

@@ -163,7 +163,7 @@ def test_uninterrupted_run_is_complete_and_logged(reference: tuple[Path, Path]) 
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     assert f"ragen evaluate {run_id}" in out and f"ragen train --resume {run_id}" in out
     assert f"ragen evaluate models:/{run_id}@best" in out and f"ragen show {run_id}" in out
-    assert "#/experiments/" in out
+    assert "#/experiments/" in out and "?workflowType=machine_learning" in out  # MLflow's model-training view
 
 
 def flow_run_artifacts(run_id: str) -> dict[str, dict]:
@@ -295,10 +295,24 @@ def test_the_run_page_says_what_ran_and_reached_and_shows_the_overview_first(
     state, run = reference
     info = json.loads((run / "run.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
-    note = client.get_run(info["mlflow_run_id"]).data.tags["mlflow.note.content"]
+    tags = client.get_run(info["mlflow_run_id"]).data.tags
+    note = tags["mlflow.note.content"]
     end = json.loads((run / "eval" / "step_0003.json").read_text())["val-env/Bandit/success"]
     assert note.startswith(f"**{info['run_id']}**: GAE (StarPO-S) on Bandit") and "3 of 3 iterations" in note
-    assert f"-> {end:.3f} at step 3" in note and f"models:/{info['run_id']}@best" in note
+    assert re.search(rf"^\| (\*\*3\*\* \(best\)|3) \| {end:.3f} \|$", note, re.M), (
+        note
+    )  # the validation table
+    assert f"models:/{info['run_id']}@best" in note
+    # the flow run that trained it: a link in the description and a tag
+    flow_run = tags["prefect.flow_run_id"]
+    assert tags["prefect.flow_run_url"].endswith(f"/runs/flow-run/{flow_run}")
+    assert f"Prefect flow run: [train/{info['run_id']}]({tags['prefect.flow_run_url']})" in note
+    # the default logging level: the core metrics go to MLflow, the run folder keeps every metric
+    logged = set(client.get_run(info["mlflow_run_id"]).data.metrics)
+    assert {"val-env/Bandit/success", "train/success", "rollout/filter_kept_ratio", "actor/entropy"} <= logged
+    assert "critic/vf_loss" not in logged and "critic/vf_loss" in json.loads(
+        (run / "iter_0003" / "metrics.json").read_text()
+    )
     top = {a.path for a in client.list_artifacts(info["mlflow_run_id"])}
     assert "overview.png" in top and "plots" in top, top
     # the filter's decisions beside the rollouts they judge, and a readable page per iteration
