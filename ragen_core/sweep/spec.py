@@ -232,17 +232,39 @@ def validate_members(
     sweep: SweepConfig, members: Iterable[Member]
 ) -> tuple[dict[str, RagenConfig], dict[str, str]]:
     """Load every member's config before anything runs: (configs of the valid ones, errors of the
-    others), both by member key. One impossible member never stops the others."""
+    others), both by member key. One impossible member never stops the others. A member that would not
+    send a metric the report compares (``tracking.metrics: core``) is one of the others."""
     from ragen_core.config import load_config
 
     configs: dict[str, RagenConfig] = {}
     errors: dict[str, str] = {}
     for m in members:
         try:
-            configs[m.key] = load_config(sweep.base, m.overrides)
+            cfg = load_config(sweep.base, m.overrides)
         except Exception as exc:  # ConfigError, or anything an override can break
             errors[m.key] = str(exc) if str(exc) else type(exc).__name__
+            continue
+        unsent = unsent_compare_keys(sweep.compare, cfg)
+        if unsent:
+            errors[m.key] = (
+                f"compare: {', '.join(unsent)} not sent to MLflow with tracking.metrics=core, and the report "
+                "reads MLflow: add tracking.metrics=all to the sweep's base config (or the member's "
+                "overrides), or compare core metrics (ragen_core.tracking.keys.CORE_METRICS)"
+            )
+        else:
+            configs[m.key] = cfg
     return configs, errors
+
+
+def unsent_compare_keys(compare: Iterable[str], cfg: RagenConfig) -> list[str]:
+    """The metric names of ``compare`` (not its globs, which may match core metrics) that a run of
+    ``cfg`` does not send to MLflow."""
+    from ragen_core.tracking.keys import is_core_metric
+
+    if cfg.tracking.metrics == "all":
+        return []
+    extra = cfg.monitor.metric_keys()
+    return [k for k in compare if not any(c in k for c in "*?[") and not is_core_metric(k, extra)]
 
 
 def sweep_hash(sweep: SweepConfig) -> str:

@@ -102,6 +102,21 @@ def test_validation_reports_the_impossible_member_and_keeps_the_others() -> None
     assert configs["ok-s1"].trainer.seed == 1
 
 
+def test_a_compared_metric_that_members_do_not_send_names_the_fix() -> None:
+    """The report reads MLflow: a compared metric outside the core set needs tracking.metrics=all."""
+    sweep = SweepConfig(
+        name="c",
+        base=str(BANDIT),
+        members=[{"name": "core"}, {"name": "all", "overrides": ["tracking.metrics=all"]}],
+        compare=["val-env/*/success", "critic/vf_loss", "actor/entropy"],
+        seeds=[0],
+    )
+    configs, errors = validate_members(sweep, expand(sweep))
+    assert set(configs) == {"all-s0"} and set(errors) == {"core-s0"}
+    assert errors["core-s0"].startswith("compare: critic/vf_loss not sent to MLflow")
+    assert "tracking.metrics=all" in errors["core-s0"]
+
+
 def test_every_shipped_sweep_file_expands_and_validates() -> None:
     files = sorted((ROOT / "sweeps").rglob("*.yaml"))
     assert any("tiny" in f.parts for f in files) and any("paper" in f.parts for f in files)
