@@ -46,8 +46,8 @@ from ragen_core.run.session import Session
 from ragen_core.run.stages import check_resumable, eval_due
 from ragen_core.run.step_log import StepLog, StepLogger
 from ragen_core.state_folder import index_entry
-from ragen_core.tracking.keys import tracked_metrics
-from ragen_core.tracking.tracker import DESCRIPTION_TAG, FLOW_RUN_URL_TAG, RunStatus, Tracker
+from ragen_core.tracking.keys import DESCRIPTION_TAG, FLOW_RUN_URL_TAG, tracked_metrics
+from ragen_core.tracking.tracker import RunStatus, Tracker
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 #: The work of one iteration (rollout -> filter -> learn -> evaluate when due), returning its metrics.

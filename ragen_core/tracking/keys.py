@@ -14,6 +14,16 @@ from ragen_core.config.tracking import MetricsLevel
 
 MAX_KEY_LEN = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 
+#: The query that opens a page of the MLflow UI (3.x) on its model-training view. The UI keeps one view
+#: per browser (local storage ``mlflow.workflowType``, GenAI for a fresh browser), and that choice wins
+#: over the experiment's kind tag: a fresh browser lands on the GenAI pages (a run on "Evaluations", an
+#: experiment on "Usage") unless the link names the view; the URL's ``workflowType`` wins over the stored one.
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+#: The run tag MLflow shows as the run's description (markdown, at the top of its Overview).
+DESCRIPTION_TAG = "mlflow.note.content"
+#: The run tag with the address of the Prefect flow run that trained it (``prefect.flow_run_id``: its id).
+FLOW_RUN_URL_TAG = "prefect.flow_run_url"
+
 
 _BAD_CHARS = re.compile(r"[^/\w.\- :]")
 

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri, sqlite_file
+from ragen_core.tracking import keys as mlflow_names
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
 from ragen_core.tracking.library_logs import route_library_logs
 from ragen_core.tracking.offline import (
@@ -86,15 +87,6 @@ ITERATION_KEY = "iteration"  # the step marker metric of runs logged before 2026
 LOGGED_STEPS_TAG = "ragen.logged_steps"
 #: The experiment tag that picks the MLflow UI's view of an experiment (model training or GenAI).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-#: The query that opens a page of the MLflow UI (3.x) on its model-training view. The UI keeps one view
-#: per browser (local storage ``mlflow.workflowType``, GenAI for a fresh browser), and that choice wins
-#: over the experiment's kind tag: a fresh browser lands on the GenAI pages (a run on "Evaluations", an
-#: experiment on "Usage") unless the link names the view; the URL's ``workflowType`` wins over the stored one.
-MODEL_TRAINING_VIEW = "workflowType=machine_learning"
-#: The run tag MLflow shows as the run's description (markdown, at the top of its Overview).
-DESCRIPTION_TAG = "mlflow.note.content"
-#: The run tag with the address of the Prefect flow run that trained it (``prefect.flow_run_id``: its id).
-FLOW_RUN_URL_TAG = "prefect.flow_run_url"
 SKIPPED_KEY = "tracking/skipped_nonfinite"
 PARENT_TAG = "mlflow.parentRunId"
 CHANGED_PARAMS_TAG = "ragen.resume.changed_params"
@@ -333,9 +325,8 @@ class Tracker:
         return changed
 
     def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
-        """The run's page in the MLflow UI, on its model-training view (``MODEL_TRAINING_VIEW``): on the
-        tracking server itself, or for a local store on the UI that ``ragen ui`` starts (``local_ui``).
-        None when the store cannot be read (offline)."""
+        """The run's page in the MLflow UI (model-training view): on the tracking server itself, or for a
+        local store on the UI that ``ragen ui`` starts (``local_ui``). None when the store cannot be read."""
         if self.offline is not None:  # no retry sequence against a store known to be down
             return None
         try:
@@ -343,7 +334,7 @@ class Tracker:
         except Exception:  # a link is a courtesy: no store, no link
             return None
         base = self.tracking_uri.rstrip("/") if self._scheme in ("http", "https") else local_ui
-        return f"{base}/#/experiments/{experiment}/runs/{run_id}?{MODEL_TRAINING_VIEW}"
+        return f"{base}/#/experiments/{experiment}/runs/{run_id}?{mlflow_names.MODEL_TRAINING_VIEW}"
 
     def _require_run(self) -> str:
         if self.run_id is None:

@@ -13,8 +13,14 @@ from mlflow.tracking import MlflowClient
 from ragen_core.config import ConfigError, RagenConfig, load_config
 from ragen_core.run.run_dir import RunDir, create_run
 from ragen_core.run.training import Training, run_description
-from ragen_core.tracking.keys import CORE_METRICS, tracked_metrics
-from ragen_core.tracking.tracker import DESCRIPTION_TAG, FLOW_RUN_URL_TAG, MODEL_TRAINING_VIEW, Tracker
+from ragen_core.tracking.keys import (
+    CORE_METRICS,
+    DESCRIPTION_TAG,
+    FLOW_RUN_URL_TAG,
+    MODEL_TRAINING_VIEW,
+    tracked_metrics,
+)
+from ragen_core.tracking.tracker import Tracker
 
 ROOT = Path(__file__).resolve().parents[3]
 #: The metric names of a Bandit iteration (bandit-tiny, trainer.backend=local, 2026-12-05): 80 besides the validation's.
