@@ -174,12 +174,14 @@ def render_plots(
 
 def _run_panels(hist: Mapping[str, Series]) -> list[tuple[str, str, dict[str, Series]]]:
     """``(file stem, title, {legend label: points})`` of each panel with data: success per env tag
-    (validation, then training), then ``RUN_PANELS``."""
+    (validation, then training; over the tags where a run sent no tag's own), then ``RUN_PANELS``."""
     panels: list[tuple[str, str, dict[str, Series]]] = []
     for split, label in (("val-env", "Validation success"), ("train", "Training success")):
         ser = {
             m.group(2): pts for k, pts in hist.items() if (m := _SUCCESS_RE.match(k)) and m.group(1) == split
         }
+        if not ser and f"{split}/success" in hist:  # a run that logs the core metrics: over the tags only
+            ser = {"all tags": hist[f"{split}/success"]}
         if ser:
             panels.append((f"success_{split}", label, ser))
     for stem, label, keys in RUN_PANELS:

@@ -20,6 +20,7 @@ from ragen_core.tracking.keys import (
     MODEL_TRAINING_VIEW,
     tracked_metrics,
 )
+from ragen_core.tracking.plotting import _run_panels
 from ragen_core.tracking.tracker import Tracker
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -179,6 +180,10 @@ def test_a_run_sends_the_core_metrics_and_its_folder_keeps_all(tmp_path: Path, s
     # what reads these back from MLflow still finds its curves: the run's plots
     drawn = {p.name for p in _plots(tracker, mlflow_run, tmp_path)}
     assert {"in_group_std.png", "entropy.png", "grad_norm.png", "response_length.png"} <= drawn, drawn
+    assert {"success.png", "overview.png"} <= drawn, drawn
+    panels = {stem: ser for stem, _, ser in _run_panels(tracker.run_history(mlflow_run))}
+    assert set(panels["success_val-env"]) == {"Bandit", "BanditTest"}
+    assert set(panels["success_train"]) == {"all tags"}  # train/success: the tags' own are not sent
 
     # the run page's description: what ran, the Prefect flow run that ran it (also a tag)
     tags = logged.data.tags
