@@ -74,7 +74,9 @@ class TrainRequest(BaseModel):
     )
 
 
-@task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)  # idempotent: it checks the folder
+@task(
+    name="warm-start", task_run_name="warm-start", cache_policy=NO_CACHE, persist_result=False
+)  # idempotent: it checks the folder
 def warm_start_task(run_root: str) -> str:
     run = RunDir(run_root)
     return str(init_policy_stage(run.config(), run))
