@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.reporting import env_tags, name_flow_run, report_artifact
+from flows.reporting import env_tags, name_flow_run, progress_logger, report_artifact
 from flows.settings import configure_environment
 from ragen_core.run.rerun import log_rerun, rerun_markdown, rerun_stage
 from ragen_core.run.rerun_checks import RerunError, check_rerun
@@ -28,7 +28,7 @@ def rerun(request: RerunRequest) -> dict[str, object]:
     state = configure_environment()
     run = find_run(request.run)
     check_rerun(run, request.iteration, request.stage)
-    log = get_run_logger()
+    log = progress_logger()  # at INFO: the CLI keeps Prefect's own loggers at WARNING
     cfg = run.config()
     name_flow_run(
         None,

@@ -417,6 +417,8 @@ def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path
     verdict = arts[-1]["data"]
     assert f"Rerun of {stage}, iteration 3" in verdict and "**identical**" in verdict, verdict
     assert str(run) in verdict
+    logs = prefect_api("/logs/filter", {"logs": {"flow_run_id": {"any_": [arts[-1]["flow_run_id"]]}}})
+    assert any(f"{stage} of iteration 3:" in entry["message"] for entry in logs), logs
 
 
 def test_a_rerun_of_the_learn_stage_scales_the_loss_as_the_run_did(tmp_path: Path) -> None:
