@@ -46,6 +46,27 @@ def progress_logger() -> logging.LoggerAdapter[logging.Logger]:
     return type(base)(child, base.extra)
 
 
+def prefect_only_logger() -> logging.LoggerAdapter[logging.Logger]:
+    """Like :func:`progress_logger`, for lines the CLI prints itself in its own words: they go to the
+    flow run's logs in Prefect and not to the terminal a second time (the child logger does not
+    propagate to the console handler; it has Prefect's API handler of its own)."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging.handlers import APILogHandler
+
+    try:
+        base = get_run_logger()
+    except MissingContextError:
+        return logging.LoggerAdapter(logging.getLogger("ragen.flows"), {})
+    if isinstance(base, logging.Logger):  # Prefect's stand-in while its run loggers are disabled
+        return logging.LoggerAdapter(base, {})
+    child = base.logger.getChild("ragen-api")
+    child.setLevel(logging.INFO)
+    child.propagate = False
+    if not any(isinstance(h, APILogHandler) for h in child.handlers):
+        child.addHandler(APILogHandler())
+    return type(base)(child, base.extra)
+
+
 def artifact_key(*parts: str) -> str:
     """A Prefect artifact key from ``parts``: Prefect wants lowercase letters, digits and dashes only."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")

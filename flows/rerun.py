@@ -7,7 +7,7 @@ from typing import Literal
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.reporting import env_tags, name_flow_run, progress_logger, report_artifact
+from flows.reporting import env_tags, name_flow_run, prefect_only_logger, report_artifact
 from flows.settings import configure_environment
 from ragen_core.run.rerun import log_rerun, rerun_markdown, rerun_stage
 from ragen_core.run.rerun_checks import RerunError, check_rerun
@@ -28,7 +28,7 @@ def rerun(request: RerunRequest) -> dict[str, object]:
     state = configure_environment()
     run = find_run(request.run)
     check_rerun(run, request.iteration, request.stage)
-    log = progress_logger()  # at INFO: the CLI keeps Prefect's own loggers at WARNING
+    log = prefect_only_logger()  # the CLI prints the verdict itself
     cfg = run.config()
     name_flow_run(
         None,
