@@ -30,7 +30,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export DO_NOT_TRACK ?= 1
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 
-.PHONY: setup vllm openenv run demo test test-fast lint typecheck bench models
+.PHONY: setup vllm openenv run demo test test-fast lint typecheck bench models screenshots
 
 setup: $(STAMP)
 
@@ -64,6 +64,11 @@ run: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/ragen demo
+
+# PNGs of the main MLflow and Prefect pages of a tiny bandit run, into .state/screenshots/ (not
+# committed): what a researcher sees, for the next person to look at (about 3 minutes; needs chromium).
+screenshots: $(STAMP)
+	$(BIN)/python benchmarks/screenshots.py
 
 # Two pytest workers (TEST_WORKERS=0: one process): the end-to-end tests spend much of their time
 # waiting on servers and subprocesses, so one worker left a 2-core machine half idle. --dist loadfile

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,8 @@ from ragen_core.monitor import Signal
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
+
+    from ragen_core.config import RagenConfig
 
 #: The prefix of the Prefect events an Echo-Trap signal emits: ``ragen.echo-trap.entropy-collapse`` ...
 ECHO_TRAP_EVENT = "ragen.echo-trap"
@@ -44,6 +46,27 @@ def progress_logger() -> logging.LoggerAdapter[logging.Logger]:
     return type(base)(child, base.extra)
 
 
+def prefect_only_logger() -> logging.LoggerAdapter[logging.Logger]:
+    """Like :func:`progress_logger`, for lines the CLI prints itself in its own words: they go to the
+    flow run's logs in Prefect and not to the terminal a second time (the child logger does not
+    propagate to the console handler; it has Prefect's API handler of its own)."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging.handlers import APILogHandler
+
+    try:
+        base = get_run_logger()
+    except MissingContextError:
+        return logging.LoggerAdapter(logging.getLogger("ragen.flows"), {})
+    if isinstance(base, logging.Logger):  # Prefect's stand-in while its run loggers are disabled
+        return logging.LoggerAdapter(base, {})
+    child = base.logger.getChild("ragen-api")
+    child.setLevel(logging.INFO)
+    child.propagate = False
+    if not any(isinstance(h, APILogHandler) for h in child.handlers):
+        child.addHandler(APILogHandler())
+    return type(base)(child, base.extra)
+
+
 def artifact_key(*parts: str) -> str:
     """A Prefect artifact key from ``parts``: Prefect wants lowercase letters, digits and dashes only."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")
@@ -57,9 +80,11 @@ def _in_flow_run() -> FlowRun | None:
     return ctx.flow_run if ctx is not None and ctx.flow_run is not None else None
 
 
-def name_flow_run(name: str, log: Any) -> None:
+def name_flow_run(name: str | None, log: Any, tags: Iterable[str] = ()) -> None:
     """Rename this flow run once what it runs is known (``train/<run id>``, ``sweep/<sweep folder>``;
-    before that Prefect shows the flow's plain name). A name is a convenience: an API that refuses it
+    before that Prefect shows the flow's plain name) and add ``tags`` to the ones it started with, in
+    one API call. Tags a flow run is created with must be known before it starts; these come from
+    the run's config, read inside the flow. A name or a tag is a convenience: an API that refuses it
     costs a warning, not the run."""
     import httpx
     from prefect.client.orchestration import get_client
@@ -68,11 +93,36 @@ def name_flow_run(name: str, log: Any) -> None:
     flow_run = _in_flow_run()
     if flow_run is None:
         return
+    merged = sorted({*flow_run.tags, *tags})
+    new_tags = merged if set(merged) != set(flow_run.tags) else None
+    if name is None and new_tags is None:
+        return
     try:
         with get_client(sync_client=True) as client:
-            client.update_flow_run(flow_run.id, name=name)
+            client.update_flow_run(flow_run.id, name=name, tags=new_tags)
+        flow_run.tags = merged  # the engine's copy: what later updates start from
     except (httpx.HTTPError, PrefectHTTPStatusError, OSError) as exc:
-        log.warning("could not name the Prefect flow run %r: %s", name, exc)
+        log.warning("could not name or tag the Prefect flow run %r: %s", name, exc)
+
+
+def env_tags(tags: Iterable[str]) -> list[str]:
+    """Prefect tags ``env:<tag>`` for environment tags, each once, in their order."""
+    return [f"env:{t}" for t in dict.fromkeys(tags)]
+
+
+def train_tags(cfg: RagenConfig, info: Mapping[str, Any]) -> list[str]:
+    """The Prefect tags of a training run (its flow run and every task run in it), to filter the flow
+    runs page by: ``ragen``, ``env:<tag>`` per train and validation tag, ``adv_estimator:<name>``, and
+    for a sweep member (``run.json``'s ``sweep`` / ``sweep_member``, written by the sweep before the
+    member trains, whether in the sweep's process, a process of its own or on a worker)
+    ``sweep:<name>`` and ``sweep-member:<key>``."""
+    out = ["ragen", *env_tags([*cfg.train.tags, *cfg.val.tags])]
+    out.append(f"adv_estimator:{cfg.learner.algorithm.adv_estimator}")
+    if info.get("sweep"):
+        out.append(f"sweep:{info['sweep']}")
+    if info.get("sweep_member"):
+        out.append(f"sweep-member:{info['sweep_member']}")
+    return out
 
 
 #: Where ``ragen ui`` serves the Prefect UI by default: the address of a flow run of the ephemeral server
@@ -104,12 +154,12 @@ def link_mlflow_run(run_id: str, url: str | None, mlflow_run_id: str) -> None:
         create_markdown_artifact(f"MLflow run id: `{mlflow_run_id}`", key=key, description="MLflow run")
 
 
-def report_artifact(markdown: str, name: str, description: str) -> None:
-    """A markdown artifact ``report-<name>`` on the current flow run (none outside a flow run)."""
+def report_artifact(markdown: str, name: str, description: str, prefix: str = "report") -> None:
+    """A markdown artifact ``<prefix>-<name>`` on the current flow run (none outside a flow run)."""
     from prefect.artifacts import create_markdown_artifact
 
     if _in_flow_run() is not None:
-        create_markdown_artifact(markdown, key=artifact_key("report", name), description=description)
+        create_markdown_artifact(markdown, key=artifact_key(prefix, name), description=description)
 
 
 class PrefectObserver:

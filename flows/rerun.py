@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from pydantic import BaseModel, Field
 
+from flows.reporting import env_tags, name_flow_run, prefect_only_logger, report_artifact
 from flows.settings import configure_environment
-from ragen_core.run.rerun import log_rerun, rerun_stage
+from ragen_core.run.rerun import log_rerun, rerun_markdown, rerun_stage
 from ragen_core.run.rerun_checks import RerunError, check_rerun
 from ragen_core.run.run_dir import find_run
 
@@ -27,9 +28,22 @@ def rerun(request: RerunRequest) -> dict[str, object]:
     state = configure_environment()
     run = find_run(request.run)
     check_rerun(run, request.iteration, request.stage)
+    log = prefect_only_logger()  # the CLI prints the verdict itself
+    cfg = run.config()
+    name_flow_run(
+        None,
+        log,
+        tags=["ragen", "rerun", f"stage:{request.stage}", f"run:{run.root.name}", *env_tags(cfg.train.tags)],
+    )
     result = rerun_stage(run, request.iteration, request.stage, request.out_dir)
-    get_run_logger().info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
+    log.info("%s of iteration %d: %s", request.stage, request.iteration, result.detail)
     mlflow_run = log_rerun(run, result, state)
+    report_artifact(
+        rerun_markdown(run.root.name, result, mlflow_run),
+        f"{run.root.name}-iter-{result.k}-{result.stage}",
+        f"verdict of the rerun of {result.stage} of iteration {result.k}",
+        prefix="rerun",
+    )
     return {
         "stage": result.stage,
         "iteration": result.k,

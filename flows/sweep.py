@@ -452,7 +452,7 @@ def run_sweep(
 
 
 def _run(s: _Sweep) -> dict[str, Any]:
-    name_flow_run(f"sweep/{s.folder.name}", s.log)
+    name_flow_run(f"sweep/{s.folder.name}", s.log, tags=["ragen", f"sweep:{s.sweep.name}"])
     parent = s.start_parent()
     log = s.log
     log.info(

@@ -1,9 +1,9 @@
 """The training flow: warm start, then reproducible iterations, tracked in MLflow.
 
 ``train`` is the Prefect flow a user runs (``ragen train``, or a deployment from ``prefect.yaml``);
-each iteration groups four tasks (rollout -> filter -> learn -> evaluate), as a subflow of its own
-(``trainer.iteration_as: subflow``, the default) or as a parent task run that nests them (``task``:
-no API round trips, for tiny configs whose iterations take a second). This module only composes:
+each iteration groups four tasks (rollout -> filter -> learn -> evaluate), as a parent task run that
+nests them (``trainer.iteration_as: task``, the default for every config: no API round trips) or as a
+subflow of its own (``subflow``: a flow-run page per iteration). This module only composes:
 the stages are ``ragen_core.run.stages`` (as the tasks of ``tasks.stages``), and the loop with its
 decisions (resume, re-logging, Echo-Trap stop and rollback, best step) is ``ragen_core.run.training``.
 """
@@ -15,14 +15,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import prefect.runtime
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, tags, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, get_run_context
 from prefect.futures import PrefectFuture
 from prefect.settings import temporary_settings
 from pydantic import BaseModel, Field
 
-from flows.reporting import PrefectObserver, flow_run_url, link_mlflow_run, name_flow_run, progress_logger
+from flows.reporting import (
+    PrefectObserver,
+    flow_run_url,
+    link_mlflow_run,
+    name_flow_run,
+    progress_logger,
+    report_artifact,
+    train_tags,
+)
 from flows.service_watch import watch_prefect_server
 from flows.settings import configure_environment, deprioritise_ephemeral_server, ephemeral_server_pids
 from ragen_core.config import RagenConfig
@@ -35,7 +43,7 @@ from ragen_core.run.stages import (
     prune_optimizer_states,
     rollout_ahead,
 )
-from ragen_core.run.training import Training, open_run
+from ragen_core.run.training import Training, open_run, run_summary_markdown
 from tasks.stages import (
     drop_session,
     evaluate_task,
@@ -67,7 +75,9 @@ class TrainRequest(BaseModel):
     )
 
 
-@task(name="warm-start", cache_policy=NO_CACHE, persist_result=False)  # idempotent: it checks the folder
+@task(
+    name="warm-start", task_run_name="warm-start", cache_policy=NO_CACHE, persist_result=False
+)  # idempotent: it checks the folder
 def warm_start_task(run_root: str) -> str:
     run = RunDir(run_root)
     return str(init_policy_stage(run.config(), run))
@@ -118,11 +128,11 @@ def _iteration_name(parameters: dict[str, Any]) -> str:
     return f"{Path(parameters['run_root']).name}/iteration-{parameters['k']}"
 
 
-#: An iteration as a flow run of its own (``trainer.iteration_as: subflow``, the default) ...
+#: An iteration as a flow run of its own (``trainer.iteration_as: subflow``) ...
 iteration_flow = flow(
     name="ragen-iteration", flow_run_name=lambda: _iteration_name(prefect.runtime.flow_run.parameters)
 )(run_iteration)
-#: ... or as a parent task run nesting the stage tasks (``task``): Prefect orchestrates task runs on
+#: ... or as a parent task run nesting the stage tasks (``task``, the default): Prefect orchestrates task runs on
 #: the client, so this costs no API round trips; the stage tasks' caching decides what reruns.
 iteration_task = task(
     name="ragen-iteration",
@@ -186,7 +196,8 @@ def _train(request: TrainRequest) -> dict[str, Any]:
         opened as (run, cfg, tracker),
         Training(run, cfg, tracker, log, progress_logger(), PrefectObserver(run.root.name)) as training,
     ):
-        name_flow_run(f"train/{training.run_id}", log)
+        run_tags = train_tags(cfg, run.info())
+        name_flow_run(f"train/{training.run_id}", log, tags=run_tags)
         context = get_run_context()
         assert isinstance(context, FlowRunContext) and context.flow_run is not None  # this flow's run
         mlflow_run = training.start_tracking(
@@ -195,16 +206,25 @@ def _train(request: TrainRequest) -> dict[str, Any]:
             (f"train/{training.run_id}", flow_run_url(str(context.flow_run.id))),
         )
         link_mlflow_run(training.run_id, tracker.run_url(mlflow_run), mlflow_run)
-        warm_start_task(str(run.root))
-        training.log_config()
-        register_session(run, training.open_session(), training.rollouts_judged)
-        try:
-            last = training.catch_up(evaluate=lambda step: evaluate_task(str(run.root), step)["metrics"])
-            iteration = iteration_runner(cfg)
-            # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
-            # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
-            with temporary_settings(updates={"flows.heartbeat_frequency": None}):
-                last = training.iterate(lambda k: iteration(str(run.root), k), start=last)
-            return training.finish(last)
-        finally:
-            drop_session(run)
+        # the run's task runs (and iteration subflows) carry its tags too: filterable alike
+        with tags(*run_tags):
+            warm_start_task(str(run.root))
+            training.log_config()
+            register_session(run, training.open_session(), training.rollouts_judged)
+            try:
+                last = training.catch_up(evaluate=lambda step: evaluate_task(str(run.root), step)["metrics"])
+                iteration = iteration_runner(cfg)
+                # Prefect's flow-run heartbeat thread rounds every subflow up to a whole second on exit;
+                # iterations are tracked by their own DONE marks, so their subflows need no heartbeat.
+                with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+                    last = training.iterate(lambda k: iteration(str(run.root), k), start=last)
+                result = training.finish(last)
+            finally:
+                drop_session(run)
+        report_artifact(
+            run_summary_markdown(cfg, run, result),
+            training.run_id,
+            f"summary of run {training.run_id}: validation success, best step, where it is",
+            prefix="summary",
+        )
+        return result

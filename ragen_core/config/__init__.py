@@ -296,10 +296,11 @@ class TrainerConfig(BaseModel):
         return "off" if v is False else v  # YAML reads a bare `off` as false
 
     iteration_as: Literal["subflow", "task"] = Field(
-        default="subflow",
-        description="subflow: each iteration is a Prefect flow run of its own (its own page in the UI; ~7 API "
-        "calls, a few hundred ms per iteration); task: a parent task run that nests the stage tasks "
-        "(client-side, no API round trips; for iterations of a second or two)",
+        default="task",
+        description="task: each iteration is a parent task run nesting the stage tasks, in the training "
+        "flow run's task list (client-side, no API round trips); subflow: a Prefect flow run of its own "
+        "(its own page in the UI; ~7 API calls, a few hundred ms per iteration). One default for every "
+        "config, so that every env's runs look alike in Prefect",
     )
 
 

@@ -435,11 +435,23 @@ def tag_rows(policy: Policy, tags: list[str], metrics: dict[str, float]) -> list
     return sorted(rows, key=lambda r: bool(r["held_out"]))  # stable: the given order within each part
 
 
-def evaluation_markdown(label: str, rows: list[dict[str, object]], n: int, mlflow_run: str | None) -> str:
-    """The evaluation as markdown: success per tag, the trained-on tags apart from the held-out ones."""
+def evaluation_markdown(
+    label: str,
+    rows: list[dict[str, object]],
+    n: int,
+    mlflow_run: str | None,
+    out_dir: str | Path | None = None,
+    run_dir: str | Path | None = None,
+) -> str:
+    """The evaluation as markdown: success per tag, the trained-on tags apart from the held-out ones,
+    and where it is (the output folder, the evaluated run's folder, the MLflow run)."""
     lines = [f"## Evaluation of `{label}`", "", f"{n} episodes per tag (validation seeds)."]
     if mlflow_run:
         lines.append(f"MLflow run `{mlflow_run}`.")
+    if out_dir is not None:
+        lines.append(f"Episodes and metrics in `{out_dir}`.")
+    if run_dir is not None:
+        lines.append(f"Evaluated run folder `{run_dir}`.")
     lines += [
         "",
         "| tag | success | trained on it | an episode succeeds when |",

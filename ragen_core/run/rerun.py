@@ -130,6 +130,24 @@ RERUN_STAGE_TAG, RERUN_ITERATION_TAG, RERUN_VERDICT_TAG = (
 )
 
 
+def rerun_markdown(run_id: str, result: RerunResult, mlflow_run: str | None) -> str:
+    """A rerun's verdict as markdown (the rerun flow run's artifact): identical or not, why, and where
+    the rerun's output, the stored output it was compared with and its MLflow record are."""
+    verdict = "identical" if result.identical else "different"
+    lines = [
+        f"## Rerun of {result.stage}, iteration {result.k} of `{run_id}`: **{verdict}**",
+        "",
+        result.detail,
+        "",
+        f"- rerun output: `{result.output}`",
+        f"- stored output: `{result.stored}`",
+        f"- MLflow: run `{mlflow_run}`, nested under the training run"
+        if mlflow_run
+        else "- MLflow: not recorded (the training run has no MLflow run, or its store failed)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def log_rerun(run: RunDir, result: RerunResult, state: Path) -> str | None:
     """Record a rerun in MLflow, beside what it checked: a run nested under the training run (in the
     training run's store and experiment), named ``rerun-<stage>@iter<k>``, with the stage, iteration

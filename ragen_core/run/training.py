@@ -479,3 +479,39 @@ def git_commit() -> str:
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def run_summary_markdown(cfg: RagenConfig, run: RunDir, result: Mapping[str, Any]) -> str:
+    """The end-of-run summary a flow run shows (Prefect's artifacts tab): validation success per tag at
+    the first, best and last validated steps, the best step, and where the run folder, the MLflow run
+    and the registered models are. ``result`` is :meth:`Training.finish`'s."""
+    run_id, last, best = result["run_id"], int(result["last_iteration"]), result["best_step"]
+    lines = [
+        f"## Run `{run_id}`",
+        "",
+        f"{last} of {cfg.trainer.iterations} iterations; "
+        + (f"best step **{best}** (highest validation success)." if best is not None else "never validated."),
+        "",
+    ]
+    steps = [s for s in range(0, last + 1) if run.eval_metrics_file(s).exists()]
+    if steps:
+        shown = list(dict.fromkeys([steps[0], *([best] if best is not None else []), steps[-1]]))
+        evals = {s: run.read_json(run.eval_metrics_file(s)) for s in shown}
+        names = {steps[0]: "first", steps[-1]: "last", **({best: "best"} if best is not None else {})}
+        header = " | ".join(f"step {s} ({names[s]})" for s in shown)
+        lines += [f"| validation success | {header} |", "| --- |" + " ---: |" * len(shown)]
+        for tag in dict.fromkeys(cfg.val.tags):
+            held_out = "" if tag in cfg.train.tags else " (held out)"
+            cells = [evals[s].get(f"val-env/{tag}/success") for s in shown]
+            row = " | ".join("-" if v is None else f"{v:.3f}" for v in cells)
+            lines.append(f"| {tag}{held_out} | {row} |")
+        lines.append("")
+    lines.append(f"- run folder: `{result['run_dir']}`")
+    mlflow_run, url = result.get("mlflow_run_id"), result.get("mlflow_url")
+    if mlflow_run:
+        lines.append(f"- MLflow run: [{mlflow_run}]({url})" if url else f"- MLflow run: `{mlflow_run}`")
+    else:
+        lines.append("- MLflow run: none (tracking was off or the store was unreachable)")
+    for alias, uri in (result.get("models") or {}).items():
+        lines.append(f"- {alias} model: `{uri}`")
+    return "\n".join(lines) + "\n"

@@ -126,3 +126,7 @@ def test_the_evaluation_report_keeps_held_out_tags_apart() -> None:
     assert "| Bandit | 0.750 | yes |" in text and "| BanditTest | 0.250 | **held out** |" in text
     assert "MLflow run `abc123`" in text and "the pulled arm is the high-risk arm" in text
     assert "0.5" not in text  # no average of the two
+    where = evaluation_markdown("run@3", rows, 64, None, "/s/evals/run-3", "/s/runs/run")
+    assert (
+        "Episodes and metrics in `/s/evals/run-3`" in where and "Evaluated run folder `/s/runs/run`" in where
+    )

@@ -256,6 +256,12 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     assert artifact["type"] == "markdown" and "## Failed members" in artifact["data"]
     run = RunDir(next((tmp_path / "runs").iterdir()))
     assert run.done_file(1).exists()
+    # the sweep's flow run and its member's training flow run carry the sweep as tags
+    assert {"ragen", "sweep:tiny-real"} <= set(flow_run["tags"]), flow_run["tags"]
+    (member_run,) = prefect_api(
+        "/flow_runs/filter", {"flow_runs": {"name": {"any_": [f"train/{run.info()['run_id']}"]}}}
+    )
+    assert {"sweep:tiny-real", "sweep-member:ok-s0", "env:Bandit"} <= set(member_run["tags"]), member_run
 
     client = MlflowClient(tracking_uri=f"sqlite:///{state.resolve() / 'mlflow.db'}")
     parent = client.get_run(report["parent_run_id"])

@@ -18,6 +18,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from flows.reporting import artifact_key
+from ragen_core.run.run_dir import RunDir
 from tests.prefect_server import prefect_api, shared_server_env
 from tests.process_env import child_env
 from tests.tiny_run import TINY_RUN
@@ -196,6 +198,37 @@ def test_the_flow_run_links_its_mlflow_run_and_shows_progress(reference: tuple[P
     assert "evaluate-step-0" in names, names
 
 
+def test_the_flow_run_is_tagged_and_ends_with_a_summary_artifact(reference: tuple[Path, Path]) -> None:
+    """Prefect's flow runs page filters by tag (env, algorithm; a run's task runs carry them too), and
+    the flow run's last artifact says what the run reached and where it is."""
+    _state, run = reference
+    info = json.loads((run / "run.json").read_text())
+    [flow_run] = prefect_api(
+        "/flow_runs/filter", {"flow_runs": {"name": {"any_": [f"train/{info['run_id']}"]}}}
+    )
+    assert {"ragen", "env:Bandit", "adv_estimator:gae"} <= set(flow_run["tags"]), flow_run["tags"]
+    assert not [t for t in flow_run["tags"] if t.startswith("sweep")]  # not a sweep member
+    tagged = prefect_api(
+        "/task_runs/filter",
+        {"flow_runs": {"id": {"any_": [flow_run["id"]]}}, "task_runs": {"tags": {"all_": ["env:Bandit"]}}},
+    )
+    assert {"learn-3", "evaluate-step-3", f"{info['run_id']}/iteration-3"} <= {t["name"] for t in tagged}
+    summary = flow_run_artifacts(info["run_id"])[artifact_key("summary", info["run_id"])]
+    assert summary["type"] == "markdown"
+    text = summary["data"]
+    best = RunDir(run).best_step(3)
+    for step in ("0", "3"):  # first and last validated steps
+        assert f"step {step} (" in text, text
+    evals = {s: json.loads((run / "eval" / f"step_{s:04d}.json").read_text()) for s in (0, 3)}
+    row = next(line for line in text.splitlines() if line.startswith("| Bandit |"))
+    assert (
+        f"{evals[0]['val-env/Bandit/success']:.3f}" in row
+        and f"{evals[3]['val-env/Bandit/success']:.3f}" in row
+    )
+    assert f"best step **{best}**" in text
+    assert str(run) in text and info["mlflow_run_id"] in text and f"models:/{info['run_id']}@final" in text
+
+
 def test_the_kept_policies_are_logged_models_registered_with_aliases(
     reference: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -339,8 +372,8 @@ def test_iterations_are_numbered_alike_on_disk_in_parquet_and_in_mlflow(referenc
 
 
 def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Path], tmp_path: Path) -> None:
-    """bandit-tiny runs its iterations as nested task runs; as subflows (the default of the paper
-    configs) the same config trains the same weights and logs the same steps."""
+    """bandit-tiny runs its iterations as nested task runs (the default); as subflows (the other
+    choice) the same config trains the same weights and logs the same steps."""
     from ragen_core.config import load_config
 
     assert load_config(CONFIG).trainer.iteration_as == "task"
@@ -387,6 +420,19 @@ def test_rerun_reproduces_the_stored_iteration(stage: str, reference: tuple[Path
     out = ragen(["rerun", str(run), "--iteration", "3", "--stage", stage], state)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "identical" in out.stdout
+    # in Prefect: a tagged flow run whose artifact holds the verdict
+    runs = prefect_api(
+        "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"run:{run.name}", f"stage:{stage}"]}}}
+    )
+    assert runs and all({"ragen", "rerun", "env:Bandit"} <= set(r["tags"]) for r in runs), runs
+    key = artifact_key("rerun", run.name, "iter-3", stage)
+    arts = prefect_api("/artifacts/filter", {"artifacts": {"key": {"any_": [key]}}})
+    assert arts, key
+    verdict = arts[-1]["data"]
+    assert f"Rerun of {stage}, iteration 3" in verdict and "**identical**" in verdict, verdict
+    assert str(run) in verdict
+    logs = prefect_api("/logs/filter", {"logs": {"flow_run_id": {"any_": [arts[-1]["flow_run_id"]]}}})
+    assert any(f"{stage} of iteration 3:" in entry["message"] for entry in logs), logs
 
 
 def test_a_rerun_of_the_learn_stage_scales_the_loss_as_the_run_did(tmp_path: Path) -> None:

@@ -300,6 +300,11 @@ def test_evaluate_a_run_on_its_own_tags_reports_each_tag_and_the_held_out_ones_a
     markdown = artifact["data"]
     assert "| Bandit |" in markdown and "| BanditTest |" in markdown and "**held out**" in markdown
     assert mlflow_run in markdown
+    assert str(metrics_file.parent) in markdown and f"`{run.root}`" in markdown  # where it is
+    (flow_run,) = prefect_api("/flow_runs/filter", {"flow_runs": {"id": {"any_": [artifact["flow_run_id"]]}}})
+    assert {"ragen", "evaluation", "env:Bandit", "env:BanditTest", f"run:{run.root.name}"} <= set(
+        flow_run["tags"]
+    ), flow_run["tags"]
 
     from mlflow import MlflowClient
 
