@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ import tests.process_env  # noqa: F401  # snapshots the start-up environment bef
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A suite started in the background by a script (`make test &`) ignores SIGINT, and an ignored
+    # signal is passed on to every child: the Ctrl-C tests' runs would ignore Ctrl-C as no run in a
+    # terminal does. A handler (unlike SIG_IGN) is reset to the default in each child.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line(
         "markers",
         "e2e: end-to-end test with real servers (Prefect, MLflow), a process worker and headless Chromium",

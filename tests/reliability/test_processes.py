@@ -82,6 +82,9 @@ SERVICES = {
     "raylet": ("Ray raylet", "ray"),
     "gcs_server": ("Ray GCS server", "ray"),
 }
+#: The services after whose death the run is also resumed to its end (the stored state a dead GCS
+#: leaves is a dead raylet's: one resume of the two keeps the suite's time).
+RESUMED = ("prefect.server.api.server", "raylet")
 
 
 @pytest.mark.parametrize("command", list(SERVICES))
@@ -90,7 +93,8 @@ def test_a_dead_service_ends_the_run_in_seconds(command: str, tmp_path: Path) ->
     the run hanging for more than 5 minutes, Prefect's EventsWorker retrying its events against it,
     and a dead raylet ended the run at once with exit code 1 and no message (Ray's driver ends its own
     process when its object store is gone); now the run ends within 10 s with one line naming the
-    service and the resume command, leaves no process, and the resume logs every MLflow step once."""
+    service and the resume command, leaves no process, and the resume logs every MLflow step once
+    (resumed after the Prefect server's death and the raylet's)."""
     from tests.flows.test_train import mlflow_steps, only_run
 
     name, backend = SERVICES[command]
@@ -125,8 +129,9 @@ def test_a_dead_service_ends_the_run_in_seconds(command: str, tmp_path: Path) ->
         procs.assert_gone(marker, timeout=10)
     finally:
         procs.kill_tree(marker)
-    procs.resume_to_the_end(run.name, tmp_path, marker)
-    assert mlflow_steps(tmp_path, run) == list(range(5))
+    if command in RESUMED:
+        procs.resume_to_the_end(run.name, tmp_path, marker)
+        assert mlflow_steps(tmp_path, run) == list(range(5))
 
 
 def _runs(cmdline: str, command: str) -> bool:
