@@ -77,14 +77,12 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
 
 #: The run's own services, by what names them in their command line: the name the run's last line
 #: gives them, and the backend that starts them.
+#: (The GCS server is watched as the raylet is, by the same code; its case is left out for the suite's
+#: time: killed after iteration 1, the run said its line in 0.2 s.)
 SERVICES = {
     "prefect.server.api.server": ("Prefect server", "local"),
     "raylet": ("Ray raylet", "ray"),
-    "gcs_server": ("Ray GCS server", "ray"),
 }
-#: The services after whose death the run is also resumed to its end (the stored state a dead GCS
-#: leaves is a dead raylet's: one resume of the two keeps the suite's time).
-RESUMED = ("prefect.server.api.server", "raylet")
 
 
 @pytest.mark.parametrize("command", list(SERVICES))
@@ -93,8 +91,7 @@ def test_a_dead_service_ends_the_run_in_seconds(command: str, tmp_path: Path) ->
     the run hanging for more than 5 minutes, Prefect's EventsWorker retrying its events against it,
     and a dead raylet ended the run at once with exit code 1 and no message (Ray's driver ends its own
     process when its object store is gone); now the run ends within 10 s with one line naming the
-    service and the resume command, leaves no process, and the resume logs every MLflow step once
-    (resumed after the Prefect server's death and the raylet's)."""
+    service and the resume command, leaves no process, and the resume logs every MLflow step once."""
     from tests.flows.test_train import mlflow_steps, only_run
 
     name, backend = SERVICES[command]
@@ -129,9 +126,8 @@ def test_a_dead_service_ends_the_run_in_seconds(command: str, tmp_path: Path) ->
         procs.assert_gone(marker, timeout=10)
     finally:
         procs.kill_tree(marker)
-    if command in RESUMED:
-        procs.resume_to_the_end(run.name, tmp_path, marker)
-        assert mlflow_steps(tmp_path, run) == list(range(5))
+    procs.resume_to_the_end(run.name, tmp_path, marker)
+    assert mlflow_steps(tmp_path, run) == list(range(5))
 
 
 def _runs(cmdline: str, command: str) -> bool:
