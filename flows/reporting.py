@@ -33,23 +33,17 @@ ECHO_TRAP_EVENT = "ragen.echo-trap"
 def progress_logger() -> logging.LoggerAdapter[logging.Logger]:
     """The current flow or task run's logger, one level below it and at INFO; outside a run (a flow's
     ``.fn`` called directly) the ``ragen.flows`` logger."""
-    from prefect.exceptions import MissingContextError
-
-    try:
-        base = get_run_logger()
-    except MissingContextError:
-        return logging.LoggerAdapter(logging.getLogger("ragen.flows"), {})
-    if isinstance(base, logging.Logger):  # Prefect's stand-in while its run loggers are disabled
-        return logging.LoggerAdapter(base, {})
-    child = base.logger.getChild("ragen")
-    child.setLevel(logging.INFO)
-    return type(base)(child, base.extra)
+    return _run_child_logger("ragen", to_console=True)
 
 
 def prefect_only_logger() -> logging.LoggerAdapter[logging.Logger]:
     """Like :func:`progress_logger`, for lines the CLI prints itself in its own words: they go to the
     flow run's logs in Prefect and not to the terminal a second time (the child logger does not
     propagate to the console handler; it has Prefect's API handler of its own)."""
+    return _run_child_logger("ragen-api", to_console=False)
+
+
+def _run_child_logger(name: str, to_console: bool) -> logging.LoggerAdapter[logging.Logger]:
     from prefect.exceptions import MissingContextError
     from prefect.logging.handlers import APILogHandler
 
@@ -59,11 +53,12 @@ def prefect_only_logger() -> logging.LoggerAdapter[logging.Logger]:
         return logging.LoggerAdapter(logging.getLogger("ragen.flows"), {})
     if isinstance(base, logging.Logger):  # Prefect's stand-in while its run loggers are disabled
         return logging.LoggerAdapter(base, {})
-    child = base.logger.getChild("ragen-api")
+    child = base.logger.getChild(name)
     child.setLevel(logging.INFO)
-    child.propagate = False
-    if not any(isinstance(h, APILogHandler) for h in child.handlers):
-        child.addHandler(APILogHandler())
+    if not to_console:
+        child.propagate = False
+        if not any(isinstance(h, APILogHandler) for h in child.handlers):
+            child.addHandler(APILogHandler())
     return type(base)(child, base.extra)
 
 
