@@ -120,18 +120,18 @@ def train_tags(cfg: RagenConfig, info: Mapping[str, Any]) -> list[str]:
     return out
 
 
-#: Where ``ragen ui`` serves the Prefect UI by default: the address of a flow run of the ephemeral server
-#: a ``ragen`` command starts when no PREFECT_API_URL is set (that server has no UI of its own).
-LOCAL_PREFECT_UI = "http://127.0.0.1:4200"
-
-
 def flow_run_url(flow_run_id: str) -> str:
     """The flow run's page in the Prefect UI: on the server this process talks to (its UI address,
-    Prefect's ``ui_url``), else on the UI that ``ragen ui`` serves."""
+    Prefect's ``ui_url``), else on the UI that ``ragen ui`` serves for the state folder (a flow run of
+    the ephemeral server a ``ragen`` command starts when no PREFECT_API_URL is set lands in the state
+    folder's Prefect database, which that UI shows; the ephemeral server has no UI of its own)."""
     from prefect.utilities.urls import url_for
 
-    return url_for("flow-run", obj_id=flow_run_id, default_base_url=LOCAL_PREFECT_UI) or (
-        f"{LOCAL_PREFECT_UI}/runs/flow-run/{flow_run_id}"
+    from ragen_core.state_folder import prefect_ui_url
+
+    local = prefect_ui_url()
+    return url_for("flow-run", obj_id=flow_run_id, default_base_url=local) or (
+        f"{local}/runs/flow-run/{flow_run_id}"
     )
 
 

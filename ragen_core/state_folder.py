@@ -145,3 +145,51 @@ def run_not_found(run_id_or_path: str, run_root: str | os.PathLike[str] | None =
         f"no run {run_id_or_path!r}: not a run directory, not in the run index {run_index_path()}, and not "
         f"under {default_root}; pass the run directory"
     )
+
+
+# The web UIs of a state folder --------------------------------------------------------------------
+#: The ports ``ragen ui`` serves a state folder's MLflow UI and Prefect UI on unless told otherwise.
+DEFAULT_UI_PORTS = {"mlflow": 5000, "prefect": 4200}
+
+
+def ui_ports_path(state: str | os.PathLike[str] | None = None) -> Path:
+    """``<state>/ui.json``: the ports ``ragen ui`` last served this state folder on."""
+    return Path(state if state is not None else state_dir()) / "ui.json"
+
+
+def ui_ports(state: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """The ports this state folder's UIs are served on: those ``ragen ui`` last used here (it remembers
+    them, so that a link a run writes, into MLflow, Prefect or the terminal, opens where the UI is), else
+    :data:`DEFAULT_UI_PORTS`. A missing or unreadable file gives the defaults: a link is a courtesy, and
+    the next ``ragen ui`` writes the file again."""
+    import json
+
+    ports = dict(DEFAULT_UI_PORTS)
+    try:
+        data = json.loads(ui_ports_path(state).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ports
+    if isinstance(data, dict):
+        ports.update({k: v for k, v in data.items() if k in ports and type(v) is int and 0 < v < 65536})
+    return ports
+
+
+def remember_ui_ports(ports: dict[str, int], state: str | os.PathLike[str] | None = None) -> None:
+    """Record the ports ``ragen ui`` serves on (written whole, then renamed: never half a file)."""
+    import json
+
+    path = ui_ports_path(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({k: ports[k] for k in DEFAULT_UI_PORTS}) + "\n")
+    tmp.replace(path)
+
+
+def mlflow_ui_url(state: str | os.PathLike[str] | None = None) -> str:
+    """The MLflow UI of this state folder's local store, as ``ragen ui`` serves it."""
+    return f"http://127.0.0.1:{ui_ports(state)['mlflow']}"
+
+
+def prefect_ui_url(state: str | os.PathLike[str] | None = None) -> str:
+    """The Prefect UI of this state folder's Prefect database, as ``ragen ui`` serves it."""
+    return f"http://127.0.0.1:{ui_ports(state)['prefect']}"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core.state_folder import remember_ui_ports
 from tests.ragen_core.tracking.test_core_metrics import config, stored_run, train_and_log
 from tests.test_e2e import chromium, find_chromium, free_port, group, mlflow_server_cmd, wait_healthy
 
@@ -35,10 +36,11 @@ def test_the_printed_link_opens_the_run_on_the_model_training_view(
     cfg = config(tmp_path)
     tracker, mlflow_run = train_and_log(cfg, stored_run(cfg, "view"), state)
 
-    port = free_port()
+    port = free_port()  # not MLflow's 5000: the link follows the port `ragen ui` serves the folder on
     ui = f"http://127.0.0.1:{port}"
-    link = tracker.run_url(mlflow_run, local_ui=ui)
-    assert link is not None
+    remember_ui_ports({"mlflow": port, "prefect": free_port()}, state)  # as `ragen ui --mlflow-port` does
+    link = tracker.run_url(mlflow_run)
+    assert link is not None and link.startswith(ui + "/")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "RAGEN_"))}
     env["MLFLOW_DISABLE_TELEMETRY"] = "true"
     log = tmp_path / "mlflow.log"

@@ -116,12 +116,12 @@ def success_per_tag(
 def _print_next_steps(result: dict[str, Any], cfg: Any) -> None:
     """Where to look next, with the commands that do it."""
     run_id, last = result["run_id"], result["last_iteration"]
-    from ragen_core.tracking.tracker import LOCAL_UI_URL
+    from ragen_core.state_folder import mlflow_ui_url
 
     url = result.get("mlflow_url")
     lines = ["next:"]
     if url:
-        local = url.startswith(LOCAL_UI_URL)
+        local = url.startswith(mlflow_ui_url() + "/")
         lines.append(
             f"  browse it:   {'`ragen ui`, then open ' if local else ''}{url}{'' if local else ' (tracking server)'}"
         )

@@ -148,16 +148,31 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def ui(
-    mlflow_port: Annotated[int, typer.Option(min=1, max=65535, help="MLflow UI port.")] = 5000,
-    prefect_port: Annotated[int, typer.Option(min=1, max=65535, help="Prefect server port.")] = 4200,
+    mlflow_port: Annotated[
+        int | None,
+        typer.Option(min=1, max=65535, help="MLflow UI port [default: the last one used here, else 5000]."),
+    ] = None,
+    prefect_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=65535, help="Prefect server port [default: the last one used here, else 4200]."
+        ),
+    ] = None,
 ) -> None:
     """Start the MLflow UI (on the local store) and a Prefect server on 127.0.0.1; Ctrl-C stops both.
 
     Each URL is printed once its server answers. If either server stops, the other is stopped too
-    and the command exits non-zero, naming the one that stopped.
+    and the command exits non-zero, naming the one that stopped. The ports are remembered in the state
+    folder (ui.json): the links runs write point there, and the next `ragen ui` uses them again.
     """
+    from ragen_core.state_folder import remember_ui_ports, state_dir, ui_ports
+
+    last = ui_ports(state_dir())
+    mlflow_port = mlflow_port or last["mlflow"]
+    prefect_port = prefect_port or last["prefect"]
     _check_ports(mlflow_port, prefect_port)
     state = prepare()
+    remember_ui_ports({"mlflow": mlflow_port, "prefect": prefect_port}, state)
     from ragen_core.config.tracking import TrackingConfig, resolve_tracking_uri, sqlite_file
     from ragen_core.tracking.store import relocate_store, store_lock
 

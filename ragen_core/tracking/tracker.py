@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri, sqlite_file
+from ragen_core.state_folder import mlflow_ui_url
 from ragen_core.tracking import keys as mlflow_names
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
 from ragen_core.tracking.library_logs import route_library_logs
@@ -79,8 +80,6 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_PARAMS_PER_BATCH = 100  # mlflow.utils.validation.MAX_PARAMS_TAGS_PER_BATCH
 MAX_METRICS_PER_BATCH = 1000  # mlflow.utils.validation.MAX_METRICS_PER_BATCH
 MAX_PARAM_VALUE_LEN = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-#: Where ``ragen ui`` serves the MLflow UI of a local store (its default port).
-LOCAL_UI_URL = "http://127.0.0.1:5000"
 MAX_TAG_VALUE_LEN = 8000  # mlflow.utils.validation.MAX_TAG_VAL_LENGTH
 ITERATION_KEY = "iteration"  # the step marker metric of runs logged before 2026-12-02 (read on resume)
 #: The run tag listing the steps whose metrics are all logged (``0-12,14``).
@@ -324,16 +323,20 @@ class Tracker:
             raise self._store_error(f"log params of run {run_id}", e) from e
         return changed
 
-    def run_url(self, run_id: str, local_ui: str = LOCAL_UI_URL) -> str | None:
+    def run_url(self, run_id: str, local_ui: str | None = None) -> str | None:
         """The run's page in the MLflow UI (model-training view): on the tracking server itself, or for a
-        local store on the UI that ``ragen ui`` starts (``local_ui``). None when the store cannot be read."""
+        local store on the UI that ``ragen ui`` serves (``local_ui``, default the state folder's: see
+        :func:`~ragen_core.state_folder.mlflow_ui_url`). None when the store cannot be read."""
         if self.offline is not None:  # no retry sequence against a store known to be down
             return None
         try:
             experiment = self.client.get_run(run_id).info.experiment_id
         except Exception:  # a link is a courtesy: no store, no link
             return None
-        base = self.tracking_uri.rstrip("/") if self._scheme in ("http", "https") else local_ui
+        if self._scheme in ("http", "https"):
+            base = self.tracking_uri.rstrip("/")
+        else:
+            base = local_ui or mlflow_ui_url(self.state_dir)
         return f"{base}/#/experiments/{experiment}/runs/{run_id}?{mlflow_names.MODEL_TRAINING_VIEW}"
 
     def _require_run(self) -> str:

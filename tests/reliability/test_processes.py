@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ragen_core.state_folder import ui_ports
 from tests.reliability import procs
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -56,6 +57,8 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
             )
             time.sleep(0.5)
         assert f"http://127.0.0.1:{mlflow_port}" in out.read_text()
+        # the ports are remembered: links runs write point at this UI (and the next `ragen ui` uses them)
+        assert ui_ports(tmp_path) == {"mlflow": mlflow_port, "prefect": prefect_port}
         # the Prefect UI calls the API on the port given, not Prefect's default 4200
         with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=30) as r:
             assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{prefect_port}/api"
