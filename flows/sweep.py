@@ -323,7 +323,10 @@ class _Sweep:
         else:
             e.mlflow_run_id = info["mlflow_run_id"]
         run.update_info(
-            sweep=self.sweep.name, sweep_member=m.key, sweep_parent_run_id=self.state.parent_run_id
+            sweep=self.sweep.name,
+            sweep_member=m.key,
+            sweep_group=m.group,  # its policies register as versions of the group's model
+            sweep_parent_run_id=self.state.parent_run_id,
         )
         e.status, e.error, e.attempts, e.updated = "running", None, e.attempts + 1, time.time()
         self.save()

@@ -43,6 +43,7 @@ from typing import Any
 
 import pytest
 
+from ragen_core.run.logged_models import run_alias
 from tests.tiny_run import TINY_RUN
 
 #: end-to-end runs (servers, subprocesses, training): `make test` runs them, `make test-fast` does not
@@ -420,8 +421,8 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             config_text = http(f"{mlflow_url}/get-artifact?{q}")
             assert "iterations: 2" in str(config_text), str(config_text)[:2000]
 
-            # the kept policies, registered under the run's name with the aliases best and final
-            q = urllib.parse.urlencode({"name": run_name, "alias": "best"})
+            # the kept policies: versions of the config's registered model, under the run's aliases
+            q = urllib.parse.urlencode({"name": "bandit-tiny", "alias": run_alias(run_name, "best")})
             best = http(f"{mlflow_url}/api/2.0/mlflow/registered-models/alias?{q}")["model_version"]
             assert best["source"].startswith("models:/m-") and best["run_id"] == run_id, best
 
@@ -483,12 +484,12 @@ def test_deployment_trains_and_mlflow_shows_the_run(tmp_path: Path) -> None:
             dom = chromium(
                 browser,
                 tmp_path / "chromium-model",
-                f"{mlflow_url}/#/models/{run_name}",
+                f"{mlflow_url}/#/models/bandit-tiny",
                 "--dump-dom",
                 budget_ms=30_000,
             )
             (tmp_path / "model-page.html").write_text(dom)
-            assert run_name in dom and "best" in dom, (
+            assert "bandit-tiny" in dom and run_alias(run_name, "best") in dom, (
                 f"the registered model page did not render; DOM in {tmp_path}"
             )
             prefect_ui = prefect_api.removesuffix("/api")

@@ -1,7 +1,11 @@
 """A run's kept policies as MLflow models: a LoggedModel per kept step (the final policy and the best
-validated one), its metrics linked to it, and both registered under the run's id with the aliases
-``final`` and ``best``, so that ``ragen evaluate models:/<run id>@best`` and the MLflow UI's "Logged
-models" and "Models" pages reach them.
+validated one), its metrics linked to it, and each registered as a version of the *config's* registered
+model (:func:`registry_name`: the config file's name, or a sweep member's group), so that the seeds and
+reruns of one config are versions of one model on the MLflow UI's "Models" page, not a model each.
+A version carries the run, the step and the step's validation success as tags, and the run's aliases
+``<run id>-best`` and ``<run id>-final`` (:func:`run_alias`) point at it. ``ragen evaluate
+models:/<run id>@best`` (or ``@final``) finds it by its run tag, and the runs registered before
+2026-12-05 (a model per run, named after it) as they are.
 
 A LoggedModel's files are the policy folder (a Hugging Face folder: weights, tokenizer, chat
 template) that the run directory holds; a step already logged (a resumed run ends on the same best
@@ -12,6 +16,7 @@ this machine. No MLflow import at module level: the tracker owns the store.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -30,8 +35,30 @@ from ragen_core.tracking.tracker import Tracker
 
 #: The registry aliases of a run's kept policies.
 ALIASES = ("final", "best")
-#: Tags of every LoggedModel: which run and step it is (what ``resolve_model_uri`` reads).
+#: Tags of every LoggedModel and model version: which run and step it is (what ``resolve_model_uri`` reads).
 RUN_TAG, STEP_TAG = "ragen.run_id", "ragen.step"
+#: ``run.json``'s record of the registered model a run's policies are versions of.
+REGISTERED_KEY = "registered_model"
+
+
+def registry_name(info: Mapping[str, Any]) -> str:
+    """The registered model a run's policies are versions of (``info``: its ``run.json``): one per
+    config. A sweep member's is its sweep group (``<sweep>.<group>``: the seeds of one variant); a run's
+    the config file it was trained from (``config_name``); a run that recorded neither (registered
+    before 2026-12-05) keeps the model named after its id that it already has."""
+    if info.get(REGISTERED_KEY):
+        return str(info[REGISTERED_KEY])
+    if info.get("sweep") and info.get("sweep_group"):
+        name = f"{info['sweep']}.{info['sweep_group']}"
+    else:
+        name = str(info.get("config_name") or info["run_id"])
+    return re.sub(r"[/:]", "-", name)  # what MLflow refuses in a registered model's name
+
+
+def run_alias(run_id: str, alias: str) -> str:
+    """The run's own alias for its ``alias`` (``best``, ``final``) policy on the config's registered
+    model: ``<run id>-<alias>``, with what aliases may not hold (``.`` of sweep members' ids) as ``-``."""
+    return re.sub(r"[^\w-]", "-", f"{run_id}-{alias}")
 
 
 class ModelURIError(RagenError):
@@ -96,7 +123,15 @@ def log_kept_models(
                 run.update_info(logged_models=logged)
             out[alias] = model_id
         if out:
-            _register(client, run_id, mlflow_run, out)
+            name = registry_name(info)
+            tags = {
+                alias: _version_tags(run_id, int(step), run)
+                for alias, step in steps.items()
+                if step is not None
+            }
+            _register(client, name, run_id, mlflow_run, out, tags)
+            if info.get(REGISTERED_KEY) != name:
+                run.update_info(**{REGISTERED_KEY: name})
     except Exception as e:  # a store that fails here takes the tracker offline, as every other call
         tracker.go_offline(f"log the kept models of run {mlflow_run}", e)
         return {}
@@ -155,12 +190,31 @@ def link_metrics(
     client.log_batch(mlflow_run, metrics=metrics)
 
 
-def _register(client: Any, name: str, mlflow_run: str, models: dict[str, str]) -> None:
-    """One registered model per run (its id), a version per kept model, aliases on the versions."""
+def _version_tags(run_id: str, step: int, run: RunDir) -> dict[str, str]:
+    """A model version's tags: its run and step, and what the step's validation measured (the success
+    per validation tag), so the "Models" page compares versions without opening each run."""
+    tags = {RUN_TAG: run_id, STEP_TAG: str(step)}
+    for key, value in sorted(step_metrics(run, step).items()):
+        if key.startswith("val-env/") and key.endswith("/success"):
+            tags[key] = f"{value:.4f}"
+    return tags
+
+
+def _register(
+    client: Any,
+    name: str,
+    run_id: str,
+    mlflow_run: str,
+    models: dict[str, str],
+    tags: Mapping[str, Mapping[str, str]],
+) -> None:
+    """One registered model per config (``name``), a version per kept model (tagged: ``tags`` per
+    alias), the run's aliases on its versions; a model named after the run id (the layout before
+    2026-12-05) gets its ``best`` / ``final`` aliases as it always did."""
     from mlflow.exceptions import MlflowException
 
     try:
-        client.create_registered_model(name, description=f"policies kept by ragen-flow run {name}")
+        client.create_registered_model(name, description=f"policies kept by the ragen-flow runs of {name}")
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -171,7 +225,29 @@ def _register(client: Any, name: str, mlflow_run: str, models: dict[str, str]) -
                 versions[model_id] = client.create_model_version(
                     name, source=f"models:/{model_id}", run_id=mlflow_run, model_id=model_id
                 ).version
-        client.set_registered_model_alias(name, alias, versions[model_id])
+        for key, value in tags.get(alias, {}).items():
+            client.set_model_version_tag(name, versions[model_id], key, value)
+        client.set_registered_model_alias(
+            name, alias if name == run_id else run_alias(run_id, alias), versions[model_id]
+        )
+
+
+def _by_alias(client: Any, name: str, alias: str) -> Any:
+    """The version ``name@alias`` names; for ``<run id>@best`` / ``@final`` of a run whose policies are
+    versions of its config's model, that run's version (found by its run tag, so on any machine)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if alias not in ALIASES or "'" in name:
+            raise
+        # (a search returns no aliases: ask each registered model holding a version of the run)
+        models = dict.fromkeys(v.name for v in client.search_model_versions(f"tags.`{RUN_TAG}` = '{name}'"))
+        for model in models:
+            with contextlib.suppress(MlflowException):
+                return client.get_model_version_by_alias(model, run_alias(name, alias))
+        raise e
 
 
 @dataclass
@@ -195,7 +271,7 @@ def resolve_model_uri(uri: str, tracker: Tracker, cache: Path) -> ResolvedModel:
     try:
         if "@" in rest:
             name, alias = rest.split("@", 1)
-            version = client.get_model_version_by_alias(name, alias)
+            version = _by_alias(client, name, alias)
         elif "/" in rest:
             name, number = rest.rsplit("/", 1)
             version = client.get_model_version(name, number)
@@ -205,7 +281,8 @@ def resolve_model_uri(uri: str, tracker: Tracker, cache: Path) -> ResolvedModel:
     except MlflowException as e:
         raise ModelURIError(
             f"{uri}: not in the MLflow registry at {tracker.tracking_uri} ({e.error_code}); "
-            "`ragen runs` lists runs, and each finished run registers its id with @best and @final"
+            "each finished run registers its kept policies as models:/<run id>@best and @final (on the "
+            "MLflow UI's Models page: the config's model, aliases <run id>-best and <run id>-final)"
         ) from e
     run_id, step = model.tags.get(RUN_TAG, ""), int(model.tags.get(STEP_TAG, "0"))
     folder: Path | None = None

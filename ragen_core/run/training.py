@@ -37,7 +37,7 @@ from ragen_core.monitor import EchoTrapMonitor, Signal
 from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.run.lineage import SystemMetrics, log_lineage
 from ragen_core.run.log_process import open_step_log, wait_for_earlier_logging
-from ragen_core.run.logged_models import log_kept_models
+from ragen_core.run.logged_models import log_kept_models, registry_name, run_alias
 from ragen_core.run.preflight import learnability_check, preflight
 from ragen_core.run.resume import resume_config
 from ragen_core.run.run_dir import RunDir, create_run, find_run, run_name
@@ -115,6 +115,8 @@ def open_run(
         if lock is None:
             run = create_run(cfg, new_name)
             lock = RunLock(run.root).acquire()
+            # the registered model its policies are versions of: one per config file (logged_models)
+            run.update_info(config_name=Path(source).stem)
         elif changes:
             record(dump_config(cfg, run.config_path))
             run.update_info(
@@ -437,7 +439,11 @@ def run_description(
     if table:
         lines += ["", "Validation success per tag:", "", *table]
     if best is not None:
-        lines += ["", f"Best step: {best} (registered as `models:/{run_id}@best`)"]
+        lines += [
+            "",
+            f"Best step: {best} (registered as `models:/{run_id}@best`: a version of the model "
+            f"`{registry_name(run.info())}`, alias `{run_alias(run_id, 'best')}`)",
+        ]
     return "\n".join(lines)
 
 

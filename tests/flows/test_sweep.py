@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from flows.sweep import SweepRequest, run_sweep
 from flows.train import TrainRequest
 from ragen_core.config.tracking import TrackingConfig
+from ragen_core.run.logged_models import run_alias
 from ragen_core.run.run_dir import RunDir
 from ragen_core.sweep.state import SweepState
 from ragen_core.sweep.tags import ERROR_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
@@ -272,8 +273,11 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
         child.data.params["trainer.seed"] == "0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
     )
     assert run.info()["mlflow_run_id"] == ok["mlflow_run_id"]
-    # a member's run id has a dot (<sweep>.<member>), which MLflow refuses in LoggedModel names only
-    assert client.get_model_version_by_alias(run.info()["run_id"], "final").run_id == ok["mlflow_run_id"]
+    # the member's policies are versions of its sweep group's registered model; its run id has a dot
+    # (<sweep>.<member>), which MLflow refuses in LoggedModel names and aliases
+    assert run.info()["registered_model"] == "tiny-real.ok"
+    final = client.get_model_version_by_alias("tiny-real.ok", run_alias(run.info()["run_id"], "final"))
+    assert final.run_id == ok["mlflow_run_id"]
 
     # the report regenerates from MLflow alone
     again = ragen(

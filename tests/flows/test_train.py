@@ -233,12 +233,13 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
     reference: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The final and the best policy are LoggedModels of the run with their step's metrics, versions
-    of the registered model named after the run, under the aliases ``final`` and ``best``; a
-    ``models:/`` URI resolves to the run's own folder, or, where the run is not, to downloaded files."""
+    of the config's registered model (``bandit-tiny``) under the run's aliases ``<run id>-final`` and
+    ``<run id>-best``; ``models:/<run id>@best`` resolves to the run's own folder, or, where the run is
+    not, to downloaded files."""
     from mlflow.tracking import MlflowClient
 
     from ragen_core.config.tracking import TrackingConfig
-    from ragen_core.run.logged_models import model_id_of, resolve_model_uri
+    from ragen_core.run.logged_models import model_id_of, resolve_model_uri, run_alias
     from ragen_core.run.run_dir import RunDir
     from ragen_core.tracking.tracker import Tracker
 
@@ -248,8 +249,10 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
     uri = f"sqlite:///{state.resolve() / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     best_step = int(client.get_run(info["mlflow_run_id"]).data.tags["ragen.best_step"])
+    assert info["registered_model"] == "bandit-tiny"  # the config's model: its runs are versions of it
     for alias, step in (("final", 3), ("best", best_step)):
-        version = client.get_model_version_by_alias(info["run_id"], alias)
+        version = client.get_model_version_by_alias("bandit-tiny", run_alias(info["run_id"], alias))
+        assert version.tags["ragen.run_id"] == info["run_id"] and version.tags["ragen.step"] == str(step)
         model = client.get_logged_model(model_id_of(version))
         assert model.source_run_id == info["mlflow_run_id"] and model.tags["ragen.step"] == str(step)
         linked = {m.key: m.value for m in model.metrics or []}
@@ -264,7 +267,8 @@ def test_the_kept_policies_are_logged_models_registered_with_aliases(
     out = ragen(["evaluate", f"models:/{info['run_id']}@best", "--n", "4", "--max-new-tokens", "8"], state)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"nested under the training run {info['mlflow_run_id']}" in " ".join(out.stdout.split())
-    best = client.get_logged_model(model_id_of(client.get_model_version_by_alias(info["run_id"], "best")))
+    best_version = client.get_model_version_by_alias("bandit-tiny", run_alias(info["run_id"], "best"))
+    best = client.get_logged_model(model_id_of(best_version))
     (evaluation,) = [
         r
         for r in client.search_runs(
