@@ -30,6 +30,7 @@ from ragen_core.errors import RagenError
 from ragen_core.faults import crash_point
 from ragen_core.integrity import record_tree, verify_tree
 from ragen_core.learner.batch import to_token_batch
+from ragen_core.progress import progress_log as _log
 from ragen_core.run import stage_record
 from ragen_core.run.collapse_probe import collapse_due, collapse_metrics
 from ragen_core.run.run_dir import RunDir, atomic_write_text, copy_tokenizer
@@ -37,11 +38,59 @@ from ragen_core.run.session import Session
 from ragen_core.storage import as_os_error, write_error
 from ragen_core.trajectory import read_table, write_table
 
+#: ``run.json``'s record of the folder whose warm starts the run may share (a sweep's, relative to the
+#: state folder when inside it), and of the warm start it reused from there.
+SHARED_WARM_STARTS_KEY, REUSED_WARM_START_KEY = "shared_warm_starts", "reused_warm_start"
+
+
+def warm_start_key(cfg: RagenConfig) -> str:
+    """What a warm start is a function of, digested: the model, the SFT section (its demonstrations,
+    steps and seed), the protocol (prompts and answer format) and torch's thread count (CPU kernels sum
+    in an order that depends on it). Two configs with the same key train bitwise the same warm start."""
+    import hashlib
+    import json
+
+    import torch
+
+    parts = {
+        "model": cfg.model.model_dump(mode="json"),
+        "sft": cfg.sft.model_dump(mode="json") if cfg.sft is not None else None,
+        "agent": cfg.agent.model_dump(mode="json"),
+        "torch_threads": torch.get_num_threads(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """``src`` to ``dst``, files hard-linked where the disk allows (a stored policy is never modified
+    in place), else copied."""
+    import shutil
+
+    try:
+        shutil.copytree(src, dst, copy_function=os.link)
+    except OSError:
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+
+
+def _shared_warm_start(cfg: RagenConfig, run: RunDir) -> Path | None:
+    """Where a warm start of ``cfg`` is kept for the runs that share ``run``'s folder of warm starts
+    (a sweep's members: the same config and seed need one warm start, not one each); None when the
+    run shares none or has no warm start."""
+    from ragen_core.state_folder import indexed_run
+
+    folder = run.info().get(SHARED_WARM_STARTS_KEY)
+    if cfg.sft is None or not folder:
+        return None
+    return indexed_run(str(folder)) / warm_start_key(cfg)
+
 
 def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
     """The starting policy in ``<run>/init_policy``: the configured model, warm-started by SFT if set.
 
-    Written to a temporary folder and renamed, so a killed warm start leaves nothing half-made.
+    Written to a temporary folder and renamed, so a killed warm start leaves nothing half-made. A run
+    that shares warm starts (a sweep member) takes a stored one of the same key, checked against its
+    digests, instead of training it again, and stores the one it trains.
     """
     import shutil
 
@@ -53,13 +102,22 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
         return run.init_policy
     tmp = run.root / f".init_policy.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    shared = _shared_warm_start(cfg, run)
     try:
-        if cfg.sft is not None:
-            warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
+        if shared is not None and (shared / "config.json").is_file():
+            verify_tree(shared, fix=f"Delete {shared}: the next run that needs it trains it again")
+            _copy_tree(shared, tmp)
+            run.update_info(**{REUSED_WARM_START_KEY: shared.name})
+            _log.info("warm start: reused %s (the same model, SFT and protocol)", shared)
         else:
-            model, tokenizer = policy_from_config(cfg.model)
-            save_policy(model, tokenizer, tmp)
-        record_tree(tmp)  # inside the folder, before the rename: the digests travel with it
+            if cfg.sft is not None:
+                warm_start(cfg.model, cfg.sft, tmp, protocol=cfg.agent)
+            else:
+                model, tokenizer = policy_from_config(cfg.model)
+                save_policy(model, tokenizer, tmp)
+            record_tree(tmp)  # inside the folder, before the rename: the digests travel with it
+            if shared is not None:
+                _store_shared(tmp, shared)
         os.replace(tmp, run.init_policy)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -68,6 +126,21 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
             raise
         raise write_error(run.init_policy, os_error, "the starting policy") from exc
     return run.init_policy
+
+
+def _store_shared(policy: Path, shared: Path) -> None:
+    """Keep a copy of a trained warm start for the runs that share it (built beside, then renamed: a
+    run that stores the same key at the same time keeps its own, and neither is half-made)."""
+    import shutil
+
+    staging = shared.with_name(f".{shared.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    _copy_tree(policy, staging)
+    try:
+        os.replace(staging, shared)
+    except OSError:  # another member stored it first: theirs is the same warm start
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def check_init_policy(run: RunDir) -> None:

@@ -247,3 +247,42 @@ def test_validation_success_keeps_held_out_tags_apart() -> None:
     assert held_out_apart(cfg, env) == {"val-env/success": 1.0, "val-env/held-out/success": 0.0}
     same = load_config(overrides=["train.tags=[Bandit]", "val.tags=[Bandit]", "val.n_groups=[4]"])
     assert held_out_apart(same, {"Bandit/success": 0.5, "success": 0.5}) == {}
+
+
+def test_runs_that_share_warm_starts_train_one_per_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's members of the same model, SFT and protocol take one stored warm start (bitwise the
+    one they would have trained, checked against its digests) instead of training it each; another SFT
+    seed trains its own."""
+    from ragen_core.learner import sft as sft_module
+    from ragen_core.run.stages import REUSED_WARM_START_KEY, SHARED_WARM_STARTS_KEY, warm_start_key
+
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))
+    shared = tmp_path / "state" / "sweeps" / "s-1" / "warm_starts"
+    trained: list[Path] = []
+    real = sft_module.warm_start
+    monkeypatch.setattr(sft_module, "warm_start", lambda *a, **k: trained.append(a[2]) or real(*a, **k))
+
+    def member(name: str, *extra: str) -> RunDir:
+        cfg = load_config(
+            overrides=[*TINY, "sft.steps=4", "sft.episodes_per_tag=8", f"trainer.run_root={tmp_path}", *extra]
+        )
+        run = create_run(cfg, name)
+        run.update_info(**{SHARED_WARM_STARTS_KEY: "sweeps/s-1/warm_starts"})  # relative to the state folder
+        init_policy_stage(cfg, run)
+        return run
+
+    a = member("a", "learner.optim.actor_lr=1e-4")  # a learner setting: the warm start is the same
+    b = member("b", "learner.optim.actor_lr=1e-2")
+    assert len(trained) == 1 and REUSED_WARM_START_KEY not in a.info()
+    assert b.info()[REUSED_WARM_START_KEY] == warm_start_key(a.config())
+    weights = "model.safetensors"
+    assert (b.init_policy / weights).read_bytes() == (a.init_policy / weights).read_bytes()
+    assert [p.name for p in shared.iterdir()] == [warm_start_key(a.config())]
+    c = member("c", "sft.seed=1")
+    assert len(trained) == 2 and REUSED_WARM_START_KEY not in c.info()
+    # a damaged stored warm start is refused naming it, never trained on
+    (shared / warm_start_key(a.config()) / weights).write_bytes(b"x")
+    with pytest.raises(Exception, match=r"warm_starts.*Delete"):
+        member("d")
