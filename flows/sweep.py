@@ -57,12 +57,14 @@ from typing import Any
 from prefect import flow
 from pydantic import BaseModel, Field
 
-from flows.reporting import name_flow_run, report_artifact
+from flows.reporting import name_flow_run, progress_logger, report_artifact
 from flows.settings import configure_environment
 from flows.sweep_dispatch import WorkerDispatch
 from flows.train import TrainRequest
 from ragen_core.config.tracking import TrackingConfig
-from ragen_core.sweep.report import build_report
+from ragen_core.progress import line_prefix
+from ragen_core.state_folder import index_entry
+from ragen_core.sweep.report import build_report, publish_report
 from ragen_core.sweep.spec import (
     Member,
     SweepConfig,
@@ -111,14 +113,9 @@ class SweepRequest(BaseModel):
 
 
 def _log() -> Any:
-    try:
-        from prefect import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # outside a flow run (plain-function use, tests)
-        import logging
-
-        return logging.getLogger("ragen.sweep")
+    """The sweep's lines, at INFO, in the terminal and the flow run's logs (Prefect's run logger alone
+    shows only warnings in the terminal: the member headers and the sweep's start line went unseen)."""
+    return progress_logger()
 
 
 def _error_text(exc: BaseException) -> str:
@@ -281,10 +278,14 @@ class _Sweep:
         except Exception:
             return False
 
-    def new_child(self, m: Member, run_name: str, tracking: TrackingConfig) -> str:
-        """Create the member's child run (RUNNING; the training flow continues and ends it)."""
+    def new_child(self, m: Member, tracking: TrackingConfig, run_id: str | None = None) -> str:
+        """Create the member's child run (RUNNING; the training flow continues and ends it), named by
+        its member key (``no-filter-s0``: the parent says which sweep; a ragen run id such as
+        ``ab.no-filter-s0-330cc256-fa7af7`` was cut short everywhere in the UI), the ragen run id
+        (``run_id``) kept as its tag."""
         child = Tracker(tracking, self.state_dir)
-        return child.start(run_name, {}, tags=self._child_tags(m), parent_run_id=self.state.parent_run_id)
+        tags = self._child_tags(m) | ({"ragen.run_id": run_id} if run_id else {})
+        return child.start(m.key, {}, tags=tags, parent_run_id=self.state.parent_run_id)
 
     def fail_child(self, run_id: str, error: str) -> None:
         client = self.parent.client
@@ -299,7 +300,7 @@ class _Sweep:
         error = self.errors[m.key]
         error = error if error.startswith("invalid config") else f"invalid config: {error}"
         if not self._child_exists(e.mlflow_run_id):
-            e.mlflow_run_id = self.new_child(m, m.run_name(self.sweep), self.tracking)
+            e.mlflow_run_id = self.new_child(m, self.tracking)
         self.fail_child(e.mlflow_run_id, error)  # type: ignore[arg-type]
         e.status, e.error, e.attempts, e.updated = "failed", error, e.attempts + 1, time.time()
         self.save()
@@ -308,6 +309,7 @@ class _Sweep:
     def prepare(self, m: Member) -> TrainRequest:
         """The member's run directory and child run (created once; reused when resuming)."""
         from ragen_core.run.run_dir import RunDir, create_run
+        from ragen_core.run.stages import SHARED_WARM_STARTS_KEY
 
         cfg = self.configs[m.key]
         e = self.entry(m.key)
@@ -318,7 +320,7 @@ class _Sweep:
             e.mlflow_run_id = None
         info = run.info()
         if not self._child_exists(info.get("mlflow_run_id")):
-            e.mlflow_run_id = self.new_child(m, info["run_id"], cfg.tracking)
+            e.mlflow_run_id = self.new_child(m, cfg.tracking, run_id=info["run_id"])
             run.update_info(mlflow_run_id=e.mlflow_run_id)
         else:
             e.mlflow_run_id = info["mlflow_run_id"]
@@ -327,6 +329,8 @@ class _Sweep:
             sweep_member=m.key,
             sweep_group=m.group,  # its policies register as versions of the group's model
             sweep_parent_run_id=self.state.parent_run_id,
+            # members of the same config and seed share one warm start (ragen_core.run.stages)
+            **{SHARED_WARM_STARTS_KEY: index_entry(self.folder / "warm_starts")},
         )
         e.status, e.error, e.attempts, e.updated = "running", None, e.attempts + 1, time.time()
         self.save()
@@ -380,9 +384,11 @@ class _Sweep:
             return
         if self.concurrency <= 1:
             fn = self.train_fn or in_process_train
-            for m in members:
+            for i, m in enumerate(members, 1):
+                self.log.info("sweep %s: member %d/%d, %s", self.sweep.name, i, len(members), m.key)
                 try:
-                    result = fn(self.prepare(m))
+                    with line_prefix(f"{m.key} {i}/{len(members)}"):
+                        result = fn(self.prepare(m))
                 except Exception as exc:
                     self.log.debug("%s", traceback.format_exc())
                     self.finish(m, None, exc)
@@ -408,6 +414,13 @@ class _Sweep:
                         self.finish(m, None, exc)
                         continue
                     running[pool.submit(call, request, m.key)] = m
+                    self.log.info(
+                        "sweep %s: member %s started (%d running); its lines go to %s",
+                        self.sweep.name,
+                        m.key,
+                        len(running),
+                        logs / f"{m.key}.log",
+                    )
                 if not running:
                     continue
                 done, _ = wait(list(running), return_when=FIRST_COMPLETED)
@@ -433,11 +446,9 @@ class _Sweep:
     def report(self) -> Path:
         out = Path(self.request.report_dir) if self.request.report_dir else self.folder / "report"
         rep = build_report(self.parent, self.state.parent_run_id)  # type: ignore[arg-type]
-        rep.write(out)
-        if self.tracking.log_artifacts:
-            self.parent.log_artifacts(out, "report")
-        # The same report on the sweep's flow run (its curves stay files: Prefect shows no local images).
-        report_artifact(rep.to_markdown(), self.folder.name, f"sweep report, also in {out}")
+        markdown = publish_report(rep, self.parent, out, self.tracking.log_artifacts)
+        # The same report on the sweep's flow run, its curves served by MLflow's UI.
+        report_artifact(markdown, self.folder.name, f"sweep report, also in {out}")
         return out
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from ragen_core.text_safety import PrintableFormatter
 
@@ -30,6 +31,35 @@ def show_progress_lines() -> None:
         progress_log.addHandler(handler)
     progress_log.setLevel(logging.INFO)
     progress_log.propagate = False
+
+
+class _Prefix(logging.Filter):
+    """Puts ``[prefix] `` before a record's message, once (a record passes several handlers)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "_ragen_prefixed", False):
+            record.msg, record._ragen_prefixed = f"[{self.prefix}] {record.msg}", True
+        return True
+
+
+@contextmanager
+def line_prefix(prefix: str) -> Iterator[None]:
+    """While inside, every log line this process shows (its own, Prefect's, the progress lines) starts
+    with ``[prefix]``: a sweep's members train one after another in one process, and their lines would
+    read alike. Filters on the handlers, not the loggers, since records reach handlers from child loggers."""
+    handlers = {h for name in (None, "prefect", progress_log.name) for h in logging.getLogger(name).handlers}
+    tag = _Prefix(prefix)
+    for h in handlers:
+        h.addFilter(tag)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(tag)
 
 
 def duration(seconds: float) -> str:

@@ -12,12 +12,14 @@ No MLflow import here (docs/architecture.md, "Layers"): the store is reached thr
 from __future__ import annotations
 
 import fnmatch
+import html
 import json
 import math
 import os
+import re
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from ragen_core.sweep.tags import (
     SEED_TAG,
     SWEEP_TAG,
 )
+from ragen_core.tracking.keys import DESCRIPTION_TAG as NOTE_TAG
 from ragen_core.tracking.keys import metric_key, parse_steps
 from ragen_core.tracking.plotting import render_group_curves
 from ragen_core.tracking.tracker import ITERATION_KEY, LOGGED_STEPS_TAG, PARENT_TAG, Tracker
@@ -130,17 +133,101 @@ class Report(BaseModel):
         return [m for m in self.members if m.status == "FAILED"]
 
     # ---------------------------------------------------------------- output
-    def to_markdown(self, plots: Sequence[str] = ()) -> str:
-        return _markdown(self, plots)
+    def to_markdown(self, plots: Sequence[str] = (), image_url: Callable[[str], str] | None = None) -> str:
+        """``report.md``; ``image_url``: where each curve is served (default: beside the file)."""
+        return _markdown(self, plots, image_url)
 
     def write(self, out_dir: str | os.PathLike[str]) -> list[Path]:
-        """``report.json``, ``report.md`` and the PNG curves into ``out_dir``; returns the paths."""
+        """``report.json``, ``report.md``, the PNG curves and ``report.html`` (the same page with the
+        curves inside it: MLflow's artifact view renders HTML, while it shows markdown as text) into
+        ``out_dir``; returns the paths."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         pngs = render_curves(self, out)
         (out / "report.json").write_text(self.model_dump_json(indent=1))
-        (out / "report.md").write_text(self.to_markdown([p.name for p in pngs]))
-        return [out / "report.md", out / "report.json", *pngs]
+        markdown = self.to_markdown([p.name for p in pngs])
+        (out / "report.md").write_text(markdown)
+        (out / "report.html").write_text(self.to_html(out, [p.name for p in pngs]))
+        return [out / "report.md", out / "report.html", out / "report.json", *pngs]
+
+    def to_html(self, folder: Path, plots: Sequence[str]) -> str:
+        """The report as one self-contained HTML page: ``report.md`` rendered, each curve (a PNG in
+        ``folder``) inlined as a data URI."""
+        import base64
+
+        from markdown_it import MarkdownIt
+
+        images = {p: base64.b64encode((folder / p).read_bytes()).decode() for p in plots}
+        markdown = re.sub(
+            r"!\[([^\]]*)\]\(([^)]+)\)",
+            lambda m: f"![{m[1]}](data:image/png;base64,{images[m[2]]})" if m[2] in images else m[0],
+            self.to_markdown(plots),
+        )
+        body = MarkdownIt("commonmark").enable("table").render(markdown)
+        return (
+            f"<!doctype html><html><head><meta charset='utf-8'><title>Sweep {html.escape(self.sweep)}</title>"
+            f"<style>{_HTML_STYLE}</style></head><body>{body}</body></html>\n"
+        )
+
+    def summary_markdown(
+        self, image_url: Callable[[str], str] | None = None, plots: Sequence[str] = ()
+    ) -> str:
+        """The parent run's description: what the sweep compared, its groups' table, and (``image_url``:
+        where each curve ``plots`` is served) the curves."""
+        lines = [f"**Sweep `{self.sweep}`**: {len(self.groups)} group(s), {len(self.members)} member(s)"]
+        n_ok = sum(m.status == "FINISHED" for m in self.members)
+        lines[0] += f" ({n_ok} finished, {len(self.failed)} failed)."
+        if self.description:
+            lines += ["", self.description.strip()]
+        lines += ["", *_group_table(self), ""]
+        if image_url is not None:
+            lines += [f"![{p}]({image_url(p)})" for p in plots if p.startswith("curve_")]
+        lines += ["", "The whole report (members, failures, every curve): the artifact `report/report.html`."]
+        return "\n".join(lines)
+
+    def summary_metrics(self) -> dict[str, float]:
+        """The parent run's metrics: each group's mean final and peak of each compared metric over its
+        finished seeds, ``final/<group>/<metric>`` and ``peak/<group>/<metric>`` (what MLflow's charts
+        and runs table compare sweeps by)."""
+        out: dict[str, float] = {}
+        for g in self.groups:
+            group = re.sub(r"[^\w.\- /]", "_", g.name)
+            for k in self.compare:
+                for kind, stats in (("final", g.final), ("peak", g.peak)):
+                    stat = stats.get(k)
+                    if stat is not None:
+                        out[f"{kind}/{group}/{metric_key(k)}"] = stat.mean
+        return out
+
+
+_HTML_STYLE = (
+    "body{font-family:sans-serif;max-width:1200px;margin:1em auto;padding:0 1em}"
+    "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .5em}"
+    "img{max-width:100%}code{background:#f4f4f4}"
+)
+
+
+def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str], log_artifacts: bool) -> str:
+    """Write the report into ``out`` and put it where a researcher looks: the files under the parent
+    run's artifacts (``report/``: ``report.html`` renders with its curves in MLflow's artifact view),
+    the parent run's description (the groups' table and the compared curves) and metrics (each group's
+    final and peak, :meth:`Report.summary_metrics`, at the step of the number of finished members, so a
+    resumed sweep's later report adds a point). Returns the report as markdown whose images are served
+    by MLflow's UI (for Prefect's artifact page, which cannot show local files)."""
+    paths = report.write(out)
+    plots = [p.name for p in paths if p.suffix == ".png"]
+    image_url = None
+    if log_artifacts:
+        tracker.log_artifacts(out, "report")
+
+        def image_url(name: str) -> str:
+            return tracker.artifact_url(report.parent_run_id, f"report/{name}")
+
+    tracker.set_tags({NOTE_TAG: report.summary_markdown(image_url, plots)})
+    metrics = report.summary_metrics()
+    if metrics:
+        tracker.log_iteration(sum(m.status == "FINISHED" for m in report.members), metrics)
+    return report.to_markdown(plots, image_url)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -155,7 +242,29 @@ def _short(key: str) -> str:
     return key.removeprefix("val-env/")
 
 
-def _markdown(r: Report, plots: Sequence[str]) -> str:
+def _group_table(r: Report) -> list[str]:
+    """The groups' markdown table: each compared metric's final, peak and peak iteration, collapses,
+    wall time and tokens (mean ± std over the finished seeds)."""
+    head = ["group", "seeds ok/all"]
+    for k in r.compare:
+        head += [f"{_short(k)} final", f"{_short(k)} peak", "peak iter"]
+    head += ["collapsed", "collapse iter", "wall s", "tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in r.groups:
+        row = [g.name, f"{g.n_finished}/{len(g.members)}"]
+        for k in r.compare:
+            row += [_stat(g.final.get(k)), _stat(g.peak.get(k)), _stat(g.peak_step.get(k), 1)]
+        row += [
+            f"{g.collapsed}/{g.n_finished}",
+            _stat(g.collapse_step, 1),
+            _stat(g.wall_s, 0),
+            _stat(g.tokens, 0),
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _markdown(r: Report, plots: Sequence[str], image_url: Callable[[str], str] | None = None) -> str:
     """``report.md``: groups, members, failures, and the curves (``plots``: PNG names beside it)."""
     lines = [f"# Sweep `{r.sweep}`", ""]
     if r.description:
@@ -174,25 +283,7 @@ def _markdown(r: Report, plots: Sequence[str]) -> str:
         "",
     ]
     keys = r.compare
-    # groups
-    lines += ["## Groups (mean ± std over seeds)", ""]
-    head = ["group", "seeds ok/all"]
-    for k in keys:
-        head += [f"{_short(k)} final", f"{_short(k)} peak", "peak iter"]
-    head += ["collapsed", "collapse iter", "wall s", "tokens"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for g in r.groups:
-        row = [g.name, f"{g.n_finished}/{len(g.members)}"]
-        for k in keys:
-            row += [_stat(g.final.get(k)), _stat(g.peak.get(k)), _stat(g.peak_step.get(k), 1)]
-        row += [
-            f"{g.collapsed}/{g.n_finished}",
-            _stat(g.collapse_step, 1),
-            _stat(g.wall_s, 0),
-            _stat(g.tokens, 0),
-        ]
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
+    lines += ["## Groups (mean ± std over seeds)", "", *_group_table(r), ""]
     # members
     lines += ["## Members", ""]
     head = ["member", "status", "seed", "iters"]
@@ -217,7 +308,7 @@ def _markdown(r: Report, plots: Sequence[str]) -> str:
         lines.append("")
     if plots:
         lines += ["## Curves (mean over seeds per group; shaded: ± std)", ""]
-        lines += [f"![{p}]({p})" for p in plots]
+        lines += [f"![{p}]({image_url(p) if image_url else p})" for p in plots]
         lines.append("")
     return "\n".join(lines)
 

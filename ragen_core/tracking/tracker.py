@@ -333,11 +333,20 @@ class Tracker:
             experiment = self.client.get_run(run_id).info.experiment_id
         except Exception:  # a link is a courtesy: no store, no link
             return None
-        if self._scheme in ("http", "https"):
-            base = self.tracking_uri.rstrip("/")
-        else:
-            base = local_ui or mlflow_ui_url(self.state_dir)
+        base = self.ui_base(local_ui)
         return f"{base}/#/experiments/{experiment}/runs/{run_id}?{mlflow_names.MODEL_TRAINING_VIEW}"
+
+    def ui_base(self, local_ui: str | None = None) -> str:
+        """The MLflow UI that shows this store: the tracking server itself, or for a local store the UI
+        ``ragen ui`` serves (``local_ui``, default the state folder's remembered port)."""
+        if self._scheme in ("http", "https"):
+            return self.tracking_uri.rstrip("/")
+        return local_ui or mlflow_ui_url(self.state_dir)
+
+    def artifact_url(self, run_id: str, path: str, local_ui: str | None = None) -> str:
+        """Where the MLflow UI serves the run's artifact ``path`` (an image a markdown page embeds)."""
+        query = urllib.parse.urlencode({"path": path, "run_uuid": run_id})
+        return f"{self.ui_base(local_ui)}/get-artifact?{query}"
 
     def _require_run(self) -> str:
         if self.run_id is None:

@@ -269,6 +269,14 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     assert parent.info.status == "FAILED" and parent.data.tags["ragen.sweep.failed"] == "impossible-s0"
     child = client.get_run(ok["mlflow_run_id"])
     assert child.info.status == "FINISHED" and child.data.tags[PARENT_TAG] == parent.info.run_id
+    # named by its member key (the parent says which sweep), the ragen run id kept as a tag
+    assert child.info.run_name == "ok-s0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
+    # the parent: the report's summary as its description, each group's final and peak as metrics
+    assert parent.data.tags["mlflow.note.content"].startswith("**Sweep `tiny-real`**")
+    assert "final/ok/val-env/Bandit/success" in parent.data.metrics
+    # the member's lines are told apart (members train one after another in the sweep's process)
+    text = " ".join(out.stdout.split())  # the console wraps long lines
+    assert "sweep tiny-real: member 1/1, ok-s0" in text and "[ok-s0 1/1] " in text, out.stdout[-6000:]
     assert (
         child.data.params["trainer.seed"] == "0" and child.data.tags["ragen.run_id"] == run.info()["run_id"]
     )

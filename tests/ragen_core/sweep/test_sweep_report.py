@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from ragen_core.config.tracking import TrackingConfig
 from ragen_core.monitor import MonitorConfig, detect
-from ragen_core.sweep.report import build_report, monitor_from_params
+from ragen_core.sweep.report import build_report, monitor_from_params, publish_report
 from ragen_core.sweep.tags import ERROR_TAG, GROUP_TAG, MEMBER_TAG, SEED_TAG, SWEEP_TAG
 from ragen_core.tracking.tracker import PARENT_TAG, Tracker
 
@@ -157,6 +157,30 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
     md = (tmp_path / "report" / "report.md").read_text()
     assert "## Failed members" in md and "b-s2" in md and "invalid config: boom" in md
     assert json.loads((tmp_path / "report" / "report.json").read_text())["parent_run_id"] == pid
+
+    # published where a researcher looks: the parent run's description (the groups' table, the curves
+    # served by MLflow's UI) and metrics (each group's final and peak), report.html with its curves
+    parent = Tracker(cfg, state)
+    parent.start("sweep-r", {}, run_id=pid)
+    prefect_md = publish_report(report, parent, tmp_path / "published", log_artifacts=True)
+    parent.end("FAILED")
+    run = client.get_run(pid)
+    note = run.data.tags["mlflow.note.content"]
+    assert note.startswith("**Sweep `r`**: 2 group(s), 6 member(s) (5 finished, 1 failed)."), note
+    assert "| a | 3/3 |" in note and "| b | 2/3 |" in note
+    image = f"get-artifact?path=report%2Fcurve_val-env_success.png&run_uuid={pid}"
+    assert f"](http://127.0.0.1:5000/{image})" in note  # ragen ui's MLflow port for a local store
+    assert f"](http://127.0.0.1:5000/{image})" in prefect_md  # Prefect's page cannot show local files
+    for g in ("a", "b"):
+        for metric in report.compare:
+            final = run.data.metrics[f"final/{g}/{metric}"]
+            assert final == pytest.approx(groups[g].final[metric].mean)
+            assert run.data.metrics[f"peak/{g}/{metric}"] == pytest.approx(groups[g].peak[metric].mean)
+    page = (tmp_path / "published" / "report.html").read_text()
+    pngs = sorted(p.name for p in (tmp_path / "published").glob("*.png"))
+    assert page.count('src="data:image/png;base64,') == len(pngs) >= 6 and "<table>" in page
+    logged = {a.path for a in client.list_artifacts(pid, "report")}
+    assert {"report/report.html", "report/report.md", "report/curve_val-env_success.png"} <= logged
 
 
 def test_collapse_uses_each_child_run_s_own_monitor_thresholds() -> None:
