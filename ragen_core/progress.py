@@ -85,14 +85,14 @@ def _tag_mean(metrics: Mapping[str, float], prefix: str, key: str) -> float | No
 def iteration_line(
     k: int, total: int, metrics: Mapping[str, float], seconds: float, eta_s: float | None
 ) -> str:
-    """``iteration 3/10 | train success 0.62 score +0.41 valid 0.95 | val success 0.88 | 41s | ETA 4m47s``."""
+    """``iteration 3/10 | train success 0.62 score +0.41 valid answers 0.95 | val success 0.88 | 41s | ETA 4m47s``."""
     parts = [f"iteration {k}/{total}"]
     train = [f"success {metrics['train/success']:.2f}"] if "train/success" in metrics else []
     score, valid = _tag_mean(metrics, "train", "score"), _tag_mean(metrics, "train", "action_is_valid")
     if score is not None:
         train.append(f"score {score:+.2f}")
     if valid is not None:
-        train.append(f"valid {valid:.2f}")
+        train.append(f"valid answers {valid:.2f}")  # beside "val success": say which
     if train:
         parts.append("train " + " ".join(train))
     if "val-env/success" in metrics:

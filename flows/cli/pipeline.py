@@ -198,6 +198,12 @@ def evaluate(
         from ragen_core.config import load_config
 
         load_config(config, [])
+    # what starts now (Prefect, the store, the model) takes seconds before the first episode: say so
+    console().print(
+        f"evaluating {policy} on {', '.join(tag_list)} ({n} episodes per tag): starting Prefect and loading the policy ...",
+        markup=False,
+        soft_wrap=True,
+    )
     result = evaluate_flow(
         EvaluateRequest(
             policy=policy,

@@ -64,11 +64,20 @@ def _check_ports(mlflow_port: int, prefect_port: int) -> None:
             )
 
 
+def server_log(state: Path, name: str) -> Path:
+    """Where a server's own output goes (banners, access logs): ``<state>/logs/ui-<name>.log``, so the
+    terminal shows the two URLs and what goes wrong, not every request."""
+    return state / "logs" / f"ui-{name.split()[0].lower()}.log"
+
+
 def _start_servers(uri: str, state: Path, mlflow_port: int, prefect_port: int) -> Servers:
     """Each server in a process group of its own: stopping it stops the workers it starts, and Ctrl-C
     reaches only this command, which then stops both in order. (A SIGKILLed `ragen ui` leaves them to
     the watchdog of flows.settings.)"""
     bin_dir = Path(sys.executable).parent
+    logs = {name: server_log(state, name) for name in ("MLflow UI", "Prefect server")}
+    for path in logs.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ}
     env.pop("PREFECT_API_URL", None)
     mlflow = [
@@ -98,18 +107,29 @@ def _start_servers(uri: str, state: Path, mlflow_port: int, prefect_port: int) -
     # from --port: without these the UI of a server on another port calls 127.0.0.1:4200.
     prefect_env = {**env, "PREFECT_SERVER_API_PORT": str(prefect_port)}
     prefect_env.setdefault("PREFECT_UI_API_URL", f"http://127.0.0.1:{prefect_port}/api")
+
+    def start(cmd: list[str], name: str, process_env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(logs[name], "ab") as out:  # the child keeps its own descriptor
+            return subprocess.Popen(
+                cmd, env=process_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
     return {
-        "MLflow UI": (
-            subprocess.Popen(mlflow, env=env, start_new_session=True),
-            f"http://127.0.0.1:{mlflow_port}",
-            "/health",
-        ),
+        "MLflow UI": (start(mlflow, "MLflow UI", env), f"http://127.0.0.1:{mlflow_port}", "/health"),
         "Prefect server": (
-            subprocess.Popen(prefect, env=prefect_env, start_new_session=True),
+            start(prefect, "Prefect server", prefect_env),
             f"http://127.0.0.1:{prefect_port}",
             "/api/health",
         ),
     }
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
 
 
 def _watch(servers: Servers, waiting: set[str], out: Console) -> tuple[str, int]:
@@ -184,6 +204,7 @@ def ui(
     servers = _start_servers(uri, state, mlflow_port, prefect_port)
     out = console()
     out.print(f"starting the MLflow UI (store {uri}) and the Prefect server on 127.0.0.1 ...")
+    out.print(f"(their own output: {server_log(state, 'MLflow UI')}, {server_log(state, 'Prefect server')})")
     waiting = set(servers)
     died: tuple[str, int] | None = None
     signal.signal(signal.SIGTERM, _interrupt)
@@ -196,7 +217,11 @@ def ui(
     if died is not None:
         name, code = died
         other = next(n for n in servers if n != name)
+        log = server_log(state, name)
+        tail = _tail(log)
+        if tail:
+            out.print(f"last lines of {log}:\n{tail}", markup=False, soft_wrap=True)
         fail(
-            f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output is "
-            f"above); stopped the {other} too"
+            f"the {name} exited with code {code}{' before it answered' if name in waiting else ''} (its output: "
+            f"{log}); stopped the {other} too"
         )

@@ -33,7 +33,7 @@ def test_iteration_line_shows_success_score_validity_validation_time_and_eta() -
     line = iteration_line(3, 10, metrics, 41.2, 287.0)
     assert (
         line
-        == "iteration 3/10 | train success 0.62 score +0.35 valid 0.95 | val success 0.88 | 41s | ETA 4m47s"
+        == "iteration 3/10 | train success 0.62 score +0.35 valid answers 0.95 | val success 0.88 | 41s | ETA 4m47s"
     )
     # the last iteration has no ETA; an iteration without validation has no val part
     assert iteration_line(10, 10, {"train/success": 1.0}, 5, 0) == "iteration 10/10 | train success 1.00 | 5s"

@@ -59,6 +59,9 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
         assert f"http://127.0.0.1:{mlflow_port}" in out.read_text()
         # the ports are remembered: links runs write point at this UI (and the next `ragen ui` uses them)
         assert ui_ports(tmp_path) == {"mlflow": mlflow_port, "prefect": prefect_port}
+        # the terminal shows the URLs; the servers' banners and access logs go to files
+        assert "dashboard" not in out.read_text().lower() + err.read_text().lower()
+        assert "dashboard" in (tmp_path / "logs" / "ui-prefect.log").read_text().lower()
         # the Prefect UI calls the API on the port given, not Prefect's default 4200
         with urllib.request.urlopen(f"http://127.0.0.1:{prefect_port}/ui-settings", timeout=30) as r:
             assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{prefect_port}/api"
@@ -72,6 +75,7 @@ def test_ui_stops_when_one_server_dies(tmp_path: Path) -> None:
         error = " ".join(err.read_text().split())
         assert code == 1, error[-3000:]
         assert "the MLflow UI exited" in error and "stopped the Prefect server too" in error, error[-3000:]
+        assert str(tmp_path / "logs" / "ui-mlflow.log") in error, error[-3000:]
         procs.assert_gone(marker, timeout=10)
     finally:
         proc.kill()
