@@ -162,10 +162,11 @@ def sweep_report(
     tracking_uri: Annotated[str | None, typer.Option(help="MLflow store (default: as ragen train).")] = None,
     log: Annotated[bool, typer.Option("--log", help="Also upload it to the parent run (report/).")] = False,
 ) -> None:
-    """Regenerate a sweep's comparison report from MLflow alone (report.md, report.json, PNG curves)."""
+    """Regenerate a sweep's comparison report from MLflow alone (report.md, report.html, report.json, PNG curves); with --log, also onto the parent run (its
+    files, description and metrics), as the sweep does."""
     state = prepare()
     from ragen_core.config.tracking import TrackingConfig
-    from ragen_core.sweep.report import build_report
+    from ragen_core.sweep.report import build_report, publish_report
     from ragen_core.tracking.offline import TrackingError
     from ragen_core.tracking.tracker import Tracker
 
@@ -177,7 +178,14 @@ def sweep_report(
     except Exception as exc:
         fail(f"cannot build the report of parent run {parent_run_id}: {type(exc).__name__}: {exc}")
     folder = out or state / "sweeps" / "reports" / parent_run_id
-    paths = report.write(folder)
-    if log:
-        tracker.client.log_artifacts(parent_run_id, str(folder), "report")
+    if log:  # as the sweep publishes it: files, the parent's description and metrics
+        status = tracker.client.get_run(parent_run_id).info.status  # as the sweep left it
+        tracker.start(f"sweep-{report.sweep}", {}, run_id=parent_run_id)
+        try:
+            publish_report(report, tracker, folder, log_artifacts=True)
+        finally:
+            tracker.end(status if status in ("FINISHED", "FAILED", "KILLED") else "FINISHED")
+        paths = sorted(folder.iterdir())
+    else:
+        paths = report.write(folder, run_url=tracker.run_url)
     _print_report(report, paths)

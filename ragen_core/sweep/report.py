@@ -133,11 +133,19 @@ class Report(BaseModel):
         return [m for m in self.members if m.status == "FAILED"]
 
     # ---------------------------------------------------------------- output
-    def to_markdown(self, plots: Sequence[str] = (), image_url: Callable[[str], str] | None = None) -> str:
-        """``report.md``; ``image_url``: where each curve is served (default: beside the file)."""
-        return _markdown(self, plots, image_url)
+    def to_markdown(
+        self,
+        plots: Sequence[str] = (),
+        image_url: Callable[[str], str] | None = None,
+        run_url: Callable[[str], str | None] | None = None,
+    ) -> str:
+        """``report.md``; ``image_url``: where each curve is served (default: beside the file);
+        ``run_url``: each member's MLflow run page (default: its id, unlinked)."""
+        return _markdown(self, plots, image_url, run_url)
 
-    def write(self, out_dir: str | os.PathLike[str]) -> list[Path]:
+    def write(
+        self, out_dir: str | os.PathLike[str], run_url: Callable[[str], str | None] | None = None
+    ) -> list[Path]:
         """``report.json``, ``report.md``, the PNG curves and ``report.html`` (the same page with the
         curves inside it: MLflow's artifact view renders HTML, while it shows markdown as text) into
         ``out_dir``; returns the paths."""
@@ -145,12 +153,13 @@ class Report(BaseModel):
         out.mkdir(parents=True, exist_ok=True)
         pngs = render_curves(self, out)
         (out / "report.json").write_text(self.model_dump_json(indent=1))
-        markdown = self.to_markdown([p.name for p in pngs])
-        (out / "report.md").write_text(markdown)
-        (out / "report.html").write_text(self.to_html(out, [p.name for p in pngs]))
+        (out / "report.md").write_text(self.to_markdown([p.name for p in pngs], run_url=run_url))
+        (out / "report.html").write_text(self.to_html(out, [p.name for p in pngs], run_url))
         return [out / "report.md", out / "report.html", out / "report.json", *pngs]
 
-    def to_html(self, folder: Path, plots: Sequence[str]) -> str:
+    def to_html(
+        self, folder: Path, plots: Sequence[str], run_url: Callable[[str], str | None] | None = None
+    ) -> str:
         """The report as one self-contained HTML page: ``report.md`` rendered, each curve (a PNG in
         ``folder``) inlined as a data URI."""
         import base64
@@ -161,7 +170,7 @@ class Report(BaseModel):
         markdown = re.sub(
             r"!\[([^\]]*)\]\(([^)]+)\)",
             lambda m: f"![{m[1]}](data:image/png;base64,{images[m[2]]})" if m[2] in images else m[0],
-            self.to_markdown(plots),
+            self.to_markdown(plots, run_url=run_url),
         )
         body = MarkdownIt("commonmark").enable("table").render(markdown)
         return (
@@ -214,7 +223,7 @@ def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str]
     final and peak, :meth:`Report.summary_metrics`, at the step of the number of finished members, so a
     resumed sweep's later report adds a point). Returns the report as markdown whose images are served
     by MLflow's UI (for Prefect's artifact page, which cannot show local files)."""
-    paths = report.write(out)
+    paths = report.write(out, run_url=tracker.run_url)
     plots = [p.name for p in paths if p.suffix == ".png"]
     image_url = None
     if log_artifacts:
@@ -227,7 +236,7 @@ def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str]
     metrics = report.summary_metrics()
     if metrics:
         tracker.log_iteration(sum(m.status == "FINISHED" for m in report.members), metrics)
-    return report.to_markdown(plots, image_url)
+    return report.to_markdown(plots, image_url, tracker.run_url)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -264,7 +273,12 @@ def _group_table(r: Report) -> list[str]:
     return lines
 
 
-def _markdown(r: Report, plots: Sequence[str], image_url: Callable[[str], str] | None = None) -> str:
+def _markdown(
+    r: Report,
+    plots: Sequence[str],
+    image_url: Callable[[str], str] | None = None,
+    run_url: Callable[[str], str | None] | None = None,
+) -> str:
     """``report.md``: groups, members, failures, and the curves (``plots``: PNG names beside it)."""
     lines = [f"# Sweep `{r.sweep}`", ""]
     if r.description:
@@ -297,7 +311,9 @@ def _markdown(r: Report, plots: Sequence[str], image_url: Callable[[str], str] |
             s = m.metrics.get(k)
             row += [_fmt(s.final) if s else "-", f"{s.peak:.3f} ({s.peak_step})" if s else "-"]
         sig = f"{m.collapse_step} ({', '.join(m.signals)})" if m.collapse_step is not None else "-"
-        row += [sig, _fmt(m.wall_s, 0), _fmt(m.tokens, 0), f"`{m.mlflow_run_id}`"]
+        link = run_url(m.mlflow_run_id) if run_url is not None else None
+        run = f"[`{m.mlflow_run_id}`]({link})" if link else f"`{m.mlflow_run_id}`"
+        row += [sig, _fmt(m.wall_s, 0), _fmt(m.tokens, 0), run]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     if r.failed:

@@ -287,13 +287,19 @@ def test_real_tiny_sweep_reports_the_failed_member_and_completes_the_other(tmp_p
     final = client.get_model_version_by_alias("tiny-real.ok", run_alias(run.info()["run_id"], "final"))
     assert final.run_id == ok["mlflow_run_id"]
 
-    # the report regenerates from MLflow alone
+    # the report regenerates from MLflow alone, and --log publishes it onto the parent run again
     again = ragen(
-        ["sweep", "report", parent.info.run_id, "--out", str(tmp_path / "rep")], state, tmp_path / "prefect"
+        ["sweep", "report", parent.info.run_id, "--out", str(tmp_path / "rep"), "--log"],
+        state,
+        tmp_path / "prefect",
     )
     assert again.returncode == 0, again.stdout[-3000:]
     regenerated = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert regenerated["members"] == report["members"] and (tmp_path / "rep" / "overview.png").exists()
+    assert "data:image/png;base64," in (tmp_path / "rep" / "report.html").read_text()
+    republished = client.get_run(parent.info.run_id)
+    assert republished.info.status == "FAILED"  # as the sweep left it
+    assert republished.data.tags["mlflow.note.content"].startswith("**Sweep `tiny-real`**")
 
 
 def test_dispatch_to_workers_names_a_missing_deployment_or_limit_before_any_work(tmp_path: Path) -> None:

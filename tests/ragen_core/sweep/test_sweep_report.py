@@ -171,6 +171,12 @@ def test_report_numbers_equal_those_recomputed_from_the_child_runs(state: Path, 
     image = f"get-artifact?path=report%2Fcurve_val-env_success.png&run_uuid={pid}"
     assert f"](http://127.0.0.1:5000/{image})" in note  # ragen ui's MLflow port for a local store
     assert f"](http://127.0.0.1:5000/{image})" in prefect_md  # Prefect's page cannot show local files
+    a_s1 = by_key["a-s1"].mlflow_run_id  # members link their MLflow run pages
+    assert f"[`{a_s1}`](http://127.0.0.1:5000/#/experiments/{exp}/runs/{a_s1}?" in prefect_md
+    assert (
+        f"[`{a_s1}`](http://127.0.0.1:5000/#/experiments/"
+        in (tmp_path / "published" / "report.md").read_text()
+    )
     for g in ("a", "b"):
         for metric in report.compare:
             final = run.data.metrics[f"final/{g}/{metric}"]
