@@ -30,9 +30,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ragen_core.tracking.keys import MODEL_TRAINING_VIEW  # noqa: E402
 from tests.test_e2e import (  # noqa: E402  # after the path: the helpers the browser tests use
     CHROMIUM_FLAGS,
     HOST,
@@ -171,7 +174,35 @@ def pages(mlflow: str, prefect_ui: str, prefect_api: str, state: Path) -> dict[s
     }
     if summary:
         out["prefect-train-summary-artifact"] = f"{prefect_ui}/artifacts/artifact/{summary[0]['id']}"
+    # the sweep: its parent run (description with the curves), the HTML report, its Prefect report
+    parents = api(
+        f"{mlflow}/api/2.0/mlflow/runs/search",
+        {"experiment_ids": [experiment], "filter": "tags.`ragen.sweep_role` = 'parent'"},
+    ).get("runs", [])
+    if parents:
+        parent = parents[0]["info"]["run_id"]
+        parent_page = f"{mlflow}/#/experiments/{experiment}/runs/{parent}"
+        out["mlflow-sweep-parent"] = f"{parent_page}?{MODEL_TRAINING_VIEW}"
+        out["mlflow-sweep-report-html"] = f"{parent_page}/artifacts/report/report.html"
+        sweep_run = flow_run("sweep/%")
+        report = api(
+            f"{prefect_api}/artifacts/filter",
+            {"artifacts": {"flow_run_id": {"any_": [sweep_run["id"]]}, "key": {"like_": "report-"}}},
+        )
+        if report:
+            out["prefect-sweep-report-artifact"] = f"{prefect_ui}/artifacts/artifact/{report[0]['id']}"
     return out
+
+
+#: A two-member sweep of the tiny run (one seed each), for the sweep pages
+SWEEP: dict[str, Any] = {
+    "name": "screens",
+    "description": "Screenshots: StarPO-S against no filter on the tiny Bandit (1 seed, 2 iterations).",
+    "base": str(ROOT / "configs" / "bandit-tiny.yaml"),
+    "overrides": RUN_SETTINGS,
+    "members": [{"name": "starpo-s"}, {"name": "no-filter", "overrides": ["rollout.filter.value=1.0"]}],
+    "seeds": [0],
+}
 
 
 def main() -> int:
@@ -231,7 +262,17 @@ def main() -> int:
             run = next(p for p in (state / "runs").iterdir() if p.is_dir())
             cli(["evaluate", run.name, "--n", "8"], env, log)
             cli(["rerun", run.name, "--iteration", "2", "--stage", "learn"], env, log)
-            print(f"tiny run trained, evaluated, rerun ({time.monotonic() - t0:.0f} s)", flush=True)
+            sweep_file = work / "screens-sweep.yaml"
+            sweep_file.write_text(
+                yaml.safe_dump(
+                    SWEEP | {"overrides": [*SWEEP["overrides"], f"trainer.run_root={work / 'sweep-runs'}"]}
+                )
+            )
+            cli(["sweep", "run", str(sweep_file)], env, log)
+            print(
+                f"tiny run trained, evaluated, rerun; tiny sweep run ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
             index = [
                 "# Screenshots",
                 "",
