@@ -313,10 +313,11 @@ class _Sweep:
 
         cfg = self.configs[m.key]
         e = self.entry(m.key)
-        run = RunDir(e.run_dir) if e.run_dir else None
+        path = e.run_path()
+        run = RunDir(path) if path is not None else None
         if run is None or not run.config_path.exists():
             run = create_run(cfg, m.run_name(self.sweep))
-            e.run_dir, e.run_id = str(run.root.resolve()), run.info()["run_id"]
+            e.run_dir, e.run_id = index_entry(run.root), run.info()["run_id"]
             e.mlflow_run_id = None
         info = run.info()
         if not self._child_exists(info.get("mlflow_run_id")):
@@ -337,7 +338,7 @@ class _Sweep:
         return TrainRequest(
             config=self.sweep.base,
             overrides=list(m.overrides),
-            resume=e.run_dir,
+            resume=str(run.root.resolve()),
             run_name=m.run_name(self.sweep),
             parent_run_id=self.state.parent_run_id,
         )

@@ -157,7 +157,7 @@ class WorkerDispatch:
         state by then."""
         from ragen_core.run.run_lock import dead_holder
 
-        run_dir, start = self.sweep.entry(m.key).run_dir, flow_run.start_time
+        run_dir, start = self.sweep.entry(m.key).run_path(), flow_run.start_time
         gone = run_dir and start is not None and dead_holder(run_dir, start.timestamp()) is not None
         if not gone:
             self._lost_since.pop(fid, None)
@@ -174,7 +174,7 @@ class WorkerDispatch:
         from ragen_core.run.run_dir import RunDir
 
         e = self.sweep.entry(m.key)
-        done = RunDir(e.run_dir or "").last_complete()
+        done = RunDir(e.run_path() or "").last_complete()
         if state is None:
             why = f"flow run {fid} crashed (its process died)"
         else:
@@ -205,7 +205,7 @@ class WorkerDispatch:
         from ragen_core.run.run_dir import RunDir
 
         if state.is_completed():
-            run = RunDir(self.sweep.entry(m.key).run_dir or "")
+            run = RunDir(self.sweep.entry(m.key).run_path() or "")
             self.sweep.finish(m, {"last_iteration": run.last_complete()}, None)
         else:
             reason = f"flow run {flow_run_id} of {self.deployment} ended {state.name}: {state.message or ''}"

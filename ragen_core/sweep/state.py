@@ -24,6 +24,8 @@ class MemberState(BaseModel):
 
     status: MemberStatus = "pending"
     run_id: str | None = None  # ragen run id
+    #: the run directory as the run index records it: relative to the state folder when inside it, so
+    #: a copied or moved state folder resumes its own runs (read it with :meth:`run_path`)
     run_dir: str | None = None
     mlflow_run_id: str | None = None
     attempts: int = 0
@@ -31,6 +33,12 @@ class MemberState(BaseModel):
     last_iteration: int | None = None
     flow_run_id: str | None = None  # a member dispatched to a deployment's workers: its flow run
     updated: float = Field(default_factory=time.time)
+
+    def run_path(self) -> Path | None:
+        """The member's run directory here (None before it has one)."""
+        from ragen_core.state_folder import indexed_run
+
+        return indexed_run(self.run_dir) if self.run_dir else None
 
 
 class SweepState(BaseModel):

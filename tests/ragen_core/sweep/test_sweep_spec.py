@@ -127,3 +127,19 @@ def test_every_shipped_sweep_file_expands_and_validates() -> None:
         assert not errors, (f, errors)
         if "tiny" in f.parts:
             assert len(sweep.seeds) == 3, f
+
+
+def test_a_member_run_inside_the_state_folder_resolves_in_a_copy_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """state.json records a member's run inside the state folder relative to it (as the run index
+    does), so a copied or moved state folder resumes its own member runs, never the original's."""
+    from ragen_core.state_folder import index_entry
+    from ragen_core.sweep.state import MemberState
+
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "state"))
+    entry = index_entry(tmp_path / "state" / "runs" / "s.a-s0-1")
+    assert entry == "runs/s.a-s0-1"
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path / "copy"))
+    assert MemberState(run_dir=entry).run_path() == tmp_path / "copy" / "runs" / "s.a-s0-1"
+    assert MemberState().run_path() is None
