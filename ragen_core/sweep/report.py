@@ -43,6 +43,7 @@ from ragen_core.sweep.tags import (
 )
 from ragen_core.tracking.keys import DESCRIPTION_TAG as NOTE_TAG
 from ragen_core.tracking.keys import metric_key, parse_steps
+from ragen_core.tracking.links import artifact_url, ui_base
 from ragen_core.tracking.plotting import render_group_curves
 from ragen_core.tracking.tracker import ITERATION_KEY, LOGGED_STEPS_TAG, PARENT_TAG, Tracker
 
@@ -229,8 +230,10 @@ def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str]
     if log_artifacts:
         tracker.log_artifacts(out, "report")
 
+        base = ui_base(tracker.tracking_uri, tracker.state_dir)
+
         def image_url(name: str) -> str:
-            return tracker.artifact_url(report.parent_run_id, f"report/{name}")
+            return artifact_url(base, report.parent_run_id, f"report/{name}")
 
     tracker.set_tags({NOTE_TAG: report.summary_markdown(image_url, plots)})
     metrics = report.summary_metrics()

@@ -58,10 +58,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ragen_core.config.tracking import TrackingConfig, flatten_params, resolve_tracking_uri, sqlite_file
-from ragen_core.state_folder import mlflow_ui_url
-from ragen_core.tracking import keys as mlflow_names
 from ragen_core.tracking.keys import format_steps, metric_key, parse_steps, resumed_value_tags
 from ragen_core.tracking.library_logs import route_library_logs
+from ragen_core.tracking.links import run_page, ui_base
 from ragen_core.tracking.offline import (
     HTTP_DEFAULTS,
     TrackingError,
@@ -326,27 +325,14 @@ class Tracker:
     def run_url(self, run_id: str, local_ui: str | None = None) -> str | None:
         """The run's page in the MLflow UI (model-training view): on the tracking server itself, or for a
         local store on the UI that ``ragen ui`` serves (``local_ui``, default the state folder's: see
-        :func:`~ragen_core.state_folder.mlflow_ui_url`). None when the store cannot be read."""
+        :mod:`ragen_core.tracking.links`). None when the store cannot be read."""
         if self.offline is not None:  # no retry sequence against a store known to be down
             return None
         try:
             experiment = self.client.get_run(run_id).info.experiment_id
         except Exception:  # a link is a courtesy: no store, no link
             return None
-        base = self.ui_base(local_ui)
-        return f"{base}/#/experiments/{experiment}/runs/{run_id}?{mlflow_names.MODEL_TRAINING_VIEW}"
-
-    def ui_base(self, local_ui: str | None = None) -> str:
-        """The MLflow UI that shows this store: the tracking server itself, or for a local store the UI
-        ``ragen ui`` serves (``local_ui``, default the state folder's remembered port)."""
-        if self._scheme in ("http", "https"):
-            return self.tracking_uri.rstrip("/")
-        return local_ui or mlflow_ui_url(self.state_dir)
-
-    def artifact_url(self, run_id: str, path: str, local_ui: str | None = None) -> str:
-        """Where the MLflow UI serves the run's artifact ``path`` (an image a markdown page embeds)."""
-        query = urllib.parse.urlencode({"path": path, "run_uuid": run_id})
-        return f"{self.ui_base(local_ui)}/get-artifact?{query}"
+        return run_page(ui_base(self.tracking_uri, self.state_dir, local_ui), experiment, run_id)
 
     def _require_run(self) -> str:
         if self.run_id is None:
