@@ -22,6 +22,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from envs.base import Env, StepResult
+from envs.wire.server import ServerThread, create_app
 from tests.prefect_server import shared_server_env
 from tests.process_env import child_env
 
@@ -158,3 +160,60 @@ def test_a_config_pointing_at_ragen_env_serve_trains_the_same_trajectories(runs:
         a, b = rows(local / name), rows(remote / name)
         assert sum(len(turns) for episode in a["actions"] for turns in episode) > 0, "no action played"
         assert b == a, name
+
+
+class _Shifted(Env):
+    """FrozenLake that plays another board than the seed's at every second reset: a server that is not
+    deterministic (as one whose environment draws from a clock or a global random state)."""
+
+    resets = 0
+
+    def __init__(self, inner: Env) -> None:
+        self.inner = inner
+
+    def reset(self, seed: int) -> str:
+        _Shifted.resets += 1
+        text = self.inner.reset(seed + _Shifted.resets % 2 * 7919)
+        self.actions, self.grid_vocab = self.inner.actions, self.inner.grid_vocab
+        return text
+
+    def step(self, action: str) -> StepResult:
+        return self.inner.step(action)
+
+    def render(self) -> str:
+        return self.inner.render()
+
+
+def test_a_rerun_of_the_remote_rollout_reproduces_it_and_names_a_non_deterministic_server(
+    runs: tuple[Path, Path], served: tuple[int, subprocess.Popen[bytes]]
+) -> None:
+    _, run = runs
+    port, proc = served
+    state = run.parents[1]
+    same = ragen(["rerun", str(run), "--iteration", "1", "--stage", "rollout"], state)
+    assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-3000:]
+    assert "rollout of iteration 1: identical" in same.stdout
+    assert f"FrozenLake at ws://127.0.0.1:{port}" in same.stdout and "deterministic" in same.stdout
+
+    # the same port now answers with a server whose resets do not follow the seed
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+    app = create_app("FrozenLake", {"is_slippery": False, "think_holes": True})
+    make = app.state.ragen.make
+    app.state.ragen.make = lambda: _Shifted(make())
+    with running_on(app, port):
+        other = ragen(["rerun", str(run), "--iteration", "1", "--stage", "rollout"], state)
+    text = other.stdout + other.stderr
+    assert other.returncode == 2, text[-3000:]
+    assert "rollout of iteration 1: non-deterministic server" in other.stdout, text[-3000:]
+    assert "DIFFERENT" not in text
+    assert f"FrozenLake at ws://127.0.0.1:{port}" in other.stdout and "seed" in other.stdout
+
+
+@contextlib.contextmanager
+def running_on(app: Any, port: int) -> Iterator[None]:
+    server = ServerThread(app, port=port).start()
+    try:
+        yield
+    finally:
+        server.stop()
