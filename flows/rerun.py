@@ -50,6 +50,7 @@ def rerun(request: RerunRequest) -> dict[str, object]:
         "output": str(result.output),
         "stored": str(result.stored),
         "identical": result.identical,
+        "verdict": result.verdict,
         "detail": result.detail,
         "mlflow_run_id": mlflow_run,
     }

@@ -467,6 +467,11 @@ class EnvGroups:
         st.truncated = reason != "done"
 
     # ------------------------------------------------------------------ results
+    def close(self) -> None:
+        """Close every env (a remote one ends its server session)."""
+        for st in self._states:
+            st.env.close()
+
     def trajectories(self) -> list[EpisodeSummary]:
         """One summary per env (by env_id), for played turns only."""
         out = []

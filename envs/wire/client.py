@@ -249,11 +249,16 @@ class RemoteEnv(Env):
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             raise _Lost(f"cannot open {self.ws_url}: {exc}") from exc
 
-    def _drop(self) -> None:
+    def _drop(self, graceful: bool = True) -> None:
         ws = getattr(self, "_ws", None)  # None too when __init__ failed before the first connection
         if ws is not None:
             with contextlib.suppress(Exception):  # the connection is being thrown away either way
-                ws.close()
+                if graceful:
+                    ws.close()
+                else:
+                    # websockets' close() joins its receiving thread, a daemon thread that no longer
+                    # runs while the interpreter exits: from a finalizer it hung the exit for good
+                    ws.socket.close()
             self._ws = None
 
     def _exchange(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -417,4 +422,4 @@ class RemoteEnv(Env):
         self._drop()
 
     def __del__(self) -> None:
-        self._drop()
+        self._drop(graceful=False)

@@ -262,7 +262,13 @@ def rerun(
     from flows.rerun import rerun as rerun_flow
 
     result = rerun_flow(RerunRequest(run=run, iteration=iteration, stage=stage))
-    verdict = "[green]identical[/]" if result["identical"] else "[red]DIFFERENT[/]"
+    verdict = (
+        "[green]identical[/]"
+        if result["identical"]
+        else "[yellow]non-deterministic server[/]"
+        if result.get("verdict") == "non-deterministic server"
+        else "[red]DIFFERENT[/]"
+    )
     console().print(
         f"{stage} of iteration {iteration}: {verdict} ({result['detail']})\n"
         f"  rerun:  {result['output']}\n  stored: {result['stored']}"

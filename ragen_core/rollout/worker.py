@@ -101,6 +101,8 @@ class RolloutWorker:
     def set_groups(self, split: Mode, protocol: Mapping[str, Any], groups: Mapping[str, Any]) -> None:
         """Play ``split`` with other env groups from now on (``ragen evaluate`` plays tags whose turn
         budgets differ one after another, on one loaded model)."""
+        if split in self.groups:
+            self.groups[split].close()
         self.groups[split] = EnvGroups(
             EnvGroupsConfig.model_validate(dict(groups)),
             ProtocolConfig.model_validate(dict(protocol)),
@@ -135,7 +137,9 @@ class RolloutWorker:
         return True
 
     def close(self) -> None:
-        """Stop the engine (the vLLM child process, if any)."""
+        """Stop the engine (the vLLM child process, if any) and close the envs (a remote one's session)."""
+        for groups in self.groups.values():
+            groups.close()
         self.engine.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +19,9 @@ from ragen_core.run.session import Session
 from ragen_core.run.stages import behaviour_policy, check_init_policy, play, update_policy
 from ragen_core.trajectory import read_table, schema_version, write_table
 
+if TYPE_CHECKING:
+    from ragen_core.env_groups import RemoteEnvConfig
+
 
 @dataclass
 class RerunResult:
@@ -27,6 +31,17 @@ class RerunResult:
     stored: Path
     identical: bool
     detail: str
+    #: a rollout / evaluate rerun that differs because a remote tag's server answered the same seed and
+    #: actions otherwise than it did in the run: ``"<tag> at <url>"`` (the detail says where)
+    nondeterministic_server: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``identical``, ``different``, or ``non-deterministic server`` (the run cannot be reproduced
+        against that server, which is not a fault of ours)."""
+        if self.identical:
+            return "identical"
+        return "non-deterministic server" if self.nondeterministic_server else "different"
 
 
 def _tensors_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> tuple[bool, str]:
@@ -84,7 +99,7 @@ def rerun_stage(
             table, _ = play(cfg, run, session, "train", k)
             out = write_table(table, out_dir / "rollouts.parquet")
             _check_stored_table(run.rollouts(k), out)
-            return RerunResult(stage, k, out, run.rollouts(k), *_same_tables(out, run.rollouts(k)))
+            return _table_result(stage, k, out, run.rollouts(k), cfg.train.remote)
         if stage == "evaluate":
             session.restore(k)
             table, _ = play(cfg, run, session, "val", k)
@@ -93,7 +108,7 @@ def rerun_stage(
             if not stored.exists():
                 return RerunResult(stage, k, out, stored, False, "no stored evaluation at this step")
             _check_stored_table(stored, out)
-            return RerunResult(stage, k, out, stored, *_same_tables(out, stored))
+            return _table_result(stage, k, out, stored, cfg.val.remote)
         from ragen_core.learner.checkpoint import CheckpointError, verify_checkpoint
 
         session.restore(run.start_of(k))  # load_checkpoint verifies the checkpoint it starts from
@@ -133,7 +148,7 @@ RERUN_STAGE_TAG, RERUN_ITERATION_TAG, RERUN_VERDICT_TAG = (
 def rerun_markdown(run_id: str, result: RerunResult, mlflow_run: str | None) -> str:
     """A rerun's verdict as markdown (the rerun flow run's artifact): identical or not, why, and where
     the rerun's output, the stored output it was compared with and its MLflow record are."""
-    verdict = "identical" if result.identical else "different"
+    verdict = result.verdict
     lines = [
         f"## Rerun of {result.stage}, iteration {result.k} of `{run_id}`: **{verdict}**",
         "",
@@ -160,7 +175,7 @@ def log_rerun(run: RunDir, result: RerunResult, state: Path) -> str | None:
     parent = run.info().get("mlflow_run_id")
     if not parent:
         return None
-    verdict = "identical" if result.identical else "different"
+    verdict = result.verdict.replace(" ", "-")  # a tag value to filter on: non-deterministic-server
     try:
         tracker = Tracker(run.config().tracking, state)
         mlflow_run = tracker.start(
@@ -211,6 +226,89 @@ def _same_tables(out: Path, stored: Path) -> tuple[bool, str]:
                 "identical rows (the stored file is trajectory schema v1: its iteration column held the seed round)",
             )
     return False, "Parquet files differ"
+
+
+def _table_result(
+    stage: str, k: int, out: Path, stored: Path, remote: Mapping[str, RemoteEnvConfig]
+) -> RerunResult:
+    same, detail = _same_tables(out, stored)
+    if same and remote:
+        servers = ", ".join(f"{tag} at {r.url}" for tag, r in remote.items())
+        detail = f"{detail}; the remote environments ({servers}) answered as in the run: deterministic"
+    if same or not remote:
+        return RerunResult(stage, k, out, stored, same, detail)
+    server = _server_divergence(read_table(out).to_pylist(), read_table(stored).to_pylist(), remote)
+    if server is None:
+        return RerunResult(stage, k, out, stored, False, detail)
+    tag, why = server
+    return RerunResult(
+        stage,
+        k,
+        out,
+        stored,
+        False,
+        f"{detail}: non-deterministic server: {why}. A rollout played against a server that answers the "
+        "same seed and actions differently cannot be reproduced; rerun it against a deterministic server",
+        nondeterministic_server=f"{tag} at {remote[tag].url}",
+    )
+
+
+def _first_divergence(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[int, bool] | None:
+    """Where episode ``a`` first parts from ``b``: (the index of the message, whether the environment
+    said it: a system or user message, a reward, or an end); None when they do not part.
+
+    Messages alternate in time (system, turn 1's observation, turn 1's answer, turn 2's observation
+    and the reward of turn 1's actions, ...), so the index orders divergences across episodes too."""
+    ma, mb = a["messages"] or [], b["messages"] or []
+    for i, (x, y) in enumerate(zip(ma, mb, strict=False)):
+        if x != y:
+            return i, x["role"] != "assistant"
+    if len(ma) != len(mb):
+        return min(len(ma), len(mb)), True  # one episode ended after the same answer: the server said done
+    ra, rb = a["turn_rewards"] or [], b["turn_rewards"] or []
+    for j, (x, y) in enumerate(zip(ra, rb, strict=False)):
+        if x != y:
+            return 2 * j + 3, True  # turn j+1's reward comes with the observation after its answer
+    return None
+
+
+def _server_divergence(
+    rerun: list[dict[str, Any]], stored: list[dict[str, Any]], remote: Mapping[str, RemoteEnvConfig]
+) -> tuple[str, str] | None:
+    """(tag, what it answered differently) when a remote tag's server is why the tables differ: some
+    episode of that tag parts from the stored one first in what the environment said, and no episode
+    parts earlier in what the policy said (an earlier different answer would be ours; one at the same
+    turn or later may follow from the server's, since the policy plays the episodes in one batch)."""
+    if len(rerun) != len(stored):
+        return None
+    policy_first: int | None = None
+    server_first: tuple[int, str, str] | None = None
+    for a, b in zip(rerun, stored, strict=True):
+        if (a["env_id"], a["seed"], a["env_tag"]) != (b["env_id"], b["seed"], b["env_tag"]):
+            return None  # not the same episodes: nothing to attribute
+        where = _first_divergence(a, b)
+        if where is None:
+            continue
+        index, by_env = where
+        if by_env and a["env_tag"] in remote:
+            if server_first is None or index < server_first[0]:
+                server_first = (index, a["env_tag"], _server_said(a, b, index, remote[a["env_tag"]].url))
+        elif policy_first is None or index < policy_first:
+            policy_first = index
+    if server_first is None or (policy_first is not None and policy_first < server_first[0]):
+        return None
+    return server_first[1], server_first[2]
+
+
+def _server_said(a: Mapping[str, Any], b: Mapping[str, Any], index: int, url: str) -> str:
+    """What the server at ``url`` answered otherwise at message ``index`` of episode ``a`` (``b`` stored)."""
+    done = sum(1 for m in (b["messages"] or [])[:index] if m["role"] == "assistant")  # turns answered
+    where = f"{a['env_tag']} at {url}, episode of seed {a['seed']} (env {a['env_id']})"
+    if index >= min(len(a["messages"] or []), len(b["messages"] or [])):
+        return f"{where}: the episode ended at another turn after the same {done} answers"
+    if done == 0:
+        return f"{where}: the reset of that seed gave another observation"
+    return f"{where}: turn {done}'s answer, the same as stored, got another observation or reward"
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -120,7 +120,44 @@ def test_registered_env_plays_through_the_protocol() -> None:
     assert env.random_answer(["50"], 1, random.Random(0)) != ["50"]  # the base class's noisy answer
 
 
+@pytest.mark.usefixtures("registered")
+def test_the_example_behind_a_server_plays_as_in_process() -> None:
+    """The third way: the class behind a server (what `ragen env serve guess_number` runs), played by
+    env groups through `remote`, answers turn by turn as the class in this process does."""
+    from envs.wire.server import create_app, running
+    from ragen_core.env_groups import RemoteEnvConfig
+
+    protocol = ProtocolConfig(max_turn=7)
+    with running(create_app("guess_number")) as server:
+        remote = {"guess_number": RemoteEnvConfig(url=server.url)}
+        plays = [
+            EnvGroups(
+                EnvGroupsConfig(tags=["guess_number"], n_groups=[8], group_size=1, remote=r), protocol, "val"
+            )
+            for r in ({}, remote)
+        ]
+        local, served = plays
+        try:
+            assert served.spec(0) == local.spec(0)
+            assert local.reset() == served.reset()
+            while local.active_ids():
+                answers = {}
+                for i in local.active_ids():
+                    (guess,) = oracle_actions(local.env(i), local.history(i)[-1].actions_left, 1)
+                    answers[i] = forced_prefix(protocol) + f"</think><answer>{guess}</answer>"
+                local.step(answers)
+                served.step(answers)
+            assert served.trajectories() == local.trajectories()
+            assert local.metrics()["guess_number/success"] == 1.0
+        finally:
+            served.close()
+
+
 def test_the_environments_doc_shows_this_example() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
     assert inspect.getsource(GuessNumberEnv) in doc
     assert inspect.getsource(test_the_oracle_always_wins) in doc
+    # the third way's example: an environment on openenv-core's own server (test_openenv_interop.py)
+    server = Path(__file__).with_name("openenv_side") / "serve_with_openenv_server.py"
+    body = server.read_text().split('"""', 2)[2].strip()
+    assert body in doc

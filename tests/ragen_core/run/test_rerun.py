@@ -22,3 +22,43 @@ def test_a_rerun_uses_the_learner_count_each_iteration_ran_with(tmp_path: Path, 
     assert rerun_config(run, 2).trainer.learners == 1
     assert rerun_config(run, 3).trainer.learners == 1
     assert rerun_config(run, 1).learner == run.config().learner  # nothing else changes
+
+
+def _episode(env_id: int, tag: str, observations: list[str], answers: list[str]) -> dict[str, object]:
+    messages = [{"role": "system", "content": "sys"}]
+    for obs, answer in zip(observations, answers, strict=True):
+        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": answer}]
+    return {
+        "env_id": env_id,
+        "seed": 100 + env_id,
+        "env_tag": tag,
+        "messages": messages,
+        "turn_rewards": [0.0] * len(answers),
+    }
+
+
+def test_a_rerun_that_parts_first_in_a_remote_servers_answer_blames_that_server() -> None:
+    """Episode 1's reset answered another board (message 1); episode 0's policy then answered otherwise
+    at turn 1 (message 2, later: the episodes share a batch): the server's, named with its URL. A
+    policy answer that parts before any server answer, or a local tag's environment, is ours."""
+    from ragen_core.env_groups import RemoteEnvConfig
+    from ragen_core.run.rerun import _server_divergence
+
+    remote = {"Lake": RemoteEnvConfig(url="ws://127.0.0.1:9")}
+    stored = [_episode(0, "Lake", ["a", "b"], ["x", "y"]), _episode(1, "Lake", ["a", "b"], ["x", "y"])]
+    rerun = [_episode(0, "Lake", ["a", "b"], ["x2", "y"]), _episode(1, "Lake", ["A", "b"], ["x", "y"])]
+    tag, why = _server_divergence(rerun, stored, remote) or ("", "")
+    assert tag == "Lake" and "ws://127.0.0.1:9" in why and "seed 101" in why and "reset" in why
+    # later in the episode: turn 1's answer got another observation
+    rerun = [_episode(0, "Lake", ["a", "B"], ["x", "y2"]), stored[1]]
+    assert "turn 1's answer" in (_server_divergence(rerun, stored, remote) or ("", ""))[1]
+    # an episode that ended earlier after the same answers: the server said done
+    rerun = [_episode(0, "Lake", ["a"], ["x"]), stored[1]]
+    assert "ended" in (_server_divergence(rerun, stored, remote) or ("", ""))[1]
+    # the policy parted first (turn 1's answer, before turn 2's observation differed elsewhere): ours
+    rerun = [_episode(0, "Lake", ["a", "b"], ["x2", "y"]), _episode(1, "Lake", ["a", "B"], ["x", "y"])]
+    assert _server_divergence(rerun, stored, remote) is None
+    # a local tag's environment answering otherwise is ours too
+    rerun = [stored[0], _episode(1, "Lake", ["A", "b"], ["x", "y"])]
+    assert _server_divergence(rerun, stored, {}) is None
+    assert _server_divergence(rerun, stored, {"Other": remote["Lake"]}) is None
