@@ -319,3 +319,19 @@ def test_ta_bad_settings_are_named(ta: None) -> None:
         envs.make("TA-2048", game_kwargs={"no_such": 1})
     with pytest.raises(ValueError, match="single-player"):
         envs.make("TA-2048", env_id="TicTacToe-v0", actions=None).reset(0)
+
+
+def test_the_docs_example_tag_builds_and_scores(rg: None) -> None:
+    """docs/environments.md's "Environments from libraries" adds a dataset in one catalogue entry."""
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    section = doc.split("## Environments from libraries", 1)[1]
+    block = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    ((tag, entry),) = yaml.safe_load(block).items()
+    envs.register_tag(envs.EnvSpec(tag=tag, **entry))
+    env = envs.make(tag)
+    assert "Greatest Common Divisor" in env.reset(0)
+    assert env.step(oracle_actions(env, 1, 1, 1)[0]).info["success"]
