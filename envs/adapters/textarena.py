@@ -114,7 +114,6 @@ class TextArenaEnv(Env):
         self._last_move: str | None = None
         self._rng_state: Any = random.Random(0).getstate()
         self._observation: str | None = None
-        self._board = ""
         self._done = False
 
     @contextlib.contextmanager
@@ -138,8 +137,6 @@ class TextArenaEnv(Env):
                 continue
             if kind == obs_type.GAME_ADMIN and "invalid move" in text.lower():
                 invalid = True
-            if kind == obs_type.GAME_BOARD:
-                self._board = text
             lines.append(text.strip())
         return "\n".join(line for line in lines if line), invalid
 
@@ -196,7 +193,7 @@ class TextArenaEnv(Env):
             invalid = invalid or bool(game_info.get(0, {}).get("invalid_move"))
         self._observation = text or self._observation
         if not invalid:
-            self._last_move = action.strip()
+            self._last_move = move.strip("[]")
         info = {
             "success": bool(done and reward >= 1.0),
             "action_is_valid": not invalid,
