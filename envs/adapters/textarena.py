@@ -234,7 +234,12 @@ class TextArenaEnv(Env):
         moves the board. The tiles that appear after each move are unknown when the turn is planned, so
         the check ignores them, and where neither Down nor Left moves the board without them the plan
         still takes the next of the two: measured on TA-2048-16 (4 turns of 3 moves, 200 seeds), stopping
-        the plan there wins 13.5% of the games, going on 63.5% (random moves: 26.5%)."""
+        the plan there wins 13.5% of the games, going on 63.5% (random moves: 26.5%). The cost: two
+        unchecked moves in a row that move nothing end the game (textarena's rule), so on the full game
+        (TA-2048, 4 moves a turn, 100 seeds) the oracle's games end after 41 moves at a largest tile of 37
+        on average; a plan with at most one unchecked move, last, plays 137 moves to a largest tile of
+        123 there, but wins only 56% of TA-2048-16's games in 4 turns of 3 (this plan: 68% on those
+        seeds)."""
         plan: list[str] = []
         for _ in range(n):
             previous = plan[-1] if plan else last
