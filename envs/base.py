@@ -53,6 +53,9 @@ class Env(ABC):
     #: What a successful episode is, in one sentence (``info["success"]`` of the final step); shown by
     #: ``ragen demo``, ``ragen show`` and ``ragen evaluate`` next to the success it explains.
     success_means: ClassVar[str] = "the environment ends the episode reporting success."
+    #: A module the environment needs beyond ragen-flow's own dependencies (a library adapter's
+    #: library), or None; :func:`envs.registry.available` checks it without importing it.
+    requires: ClassVar[str | None] = None
 
     actions: list[str] | None = None
     grid_vocab: dict[str, str] | None = None

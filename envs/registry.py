@@ -29,6 +29,9 @@ _BUILTIN_TYPES: dict[str, str] = {
     "countdown": "envs.countdown:CountdownEnv",
     "metamathqa": "envs.mathqa:MathQAEnv",
     "webshop": "envs.webshop:WebShopEnv",
+    # maintained libraries (the `envlibs` extra), imported when a tag of theirs is built
+    "reasoning_gym": "envs.adapters.reasoning_gym:ReasoningGymEnv",
+    "textarena": "envs.adapters.textarena:TextArenaEnv",
 }
 
 
@@ -160,6 +163,15 @@ def success_means(tag: str) -> str | None:
         return env_class(spec(tag).env_type).success_means
     except UnknownEnvError:
         return None
+
+
+def available(tag: str) -> bool:
+    """Whether ``tag`` can be built here: its class's ``requires`` module (a library adapter's
+    library) is installed. Found without importing it, so a missing extra costs nothing."""
+    from importlib.util import find_spec
+
+    needed = env_class(spec(tag).env_type).requires
+    return needed is None or find_spec(needed) is not None
 
 
 def make(tag: str, **overrides: Any) -> Env:

@@ -16,4 +16,6 @@ def demo(
     import envs
     from flows.demo import main
 
-    main(tags=tags or ",".join(envs.tags()), groups=groups, transcripts=transcripts)
+    # the default plays every tag this install can build (library tags need the envlibs extra)
+    default = ",".join(t for t in envs.tags() if envs.registry.available(t))
+    main(tags=tags or default, groups=groups, transcripts=transcripts)
