@@ -172,10 +172,12 @@ def write_checkpoint(
             os.replace(path, old)
         os.replace(tmp, path)
     except BaseException as exc:
+        # judged before the partial files go: a short write on a full disk is told by the free space
+        # left, and removing the half-written optim.pt (about 1 GB) frees it again
+        os_error = as_os_error(exc, path)
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
             os.replace(old, path)
-        os_error = as_os_error(exc, path)
         if os_error is not None:
             raise write_error(path, os_error, "the checkpoint") from exc
         raise

@@ -120,8 +120,8 @@ def init_policy_stage(cfg: RagenConfig, run: RunDir) -> Path:
                 _store_shared(tmp, shared)
         os.replace(tmp, run.init_policy)
     except Exception as exc:
+        os_error = as_os_error(exc, run.init_policy)  # before the cleanup frees the disk again
         shutil.rmtree(tmp, ignore_errors=True)
-        os_error = as_os_error(exc, run.init_policy)
         if os_error is None:
             raise
         raise write_error(run.init_policy, os_error, "the starting policy") from exc

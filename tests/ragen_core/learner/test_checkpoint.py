@@ -201,7 +201,8 @@ def test_checkpoint_on_a_full_disk_names_it_and_keeps_the_previous_one(tmp_path,
 def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path, monkeypatch):
     """On a real full disk safetensors raised SafetensorError("... (os error 28)") and torch.save a
     RuntimeError("... unexpected pos N vs M"): neither is an OSError, and the run ended in an
-    "internal error". Both now name the checkpoint and the fix."""
+    "internal error". Both now name the checkpoint and the fix. The full disk is judged before the
+    half-written files go (removing a partial 1 GB optim.pt made the disk look free again)."""
     import shutil
     from collections import namedtuple
 
@@ -222,8 +223,13 @@ def test_a_full_disk_reported_by_the_model_writers_is_named_too(writer, tmp_path
             )
 
         usage = namedtuple("usage", "total used free")
+
+        def disk_usage(path):  # full while the half-written checkpoint is there, as on a real disk
+            full = any(p.name.startswith("ckpt.tmp-") for p in tmp_path.iterdir())
+            return usage(10**12, 10**12 - 10**6, 10**6) if full else usage(10**12, 10**11, 9 * 10**11)
+
         monkeypatch.setattr(torch, "save", fail)
-        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 10**6, 10**6))
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     with pytest.raises(
         StorageWriteError, match="cannot write the checkpoint: No space left on device; free disk"
     ):
