@@ -157,12 +157,15 @@ def _default_tracking_uri(uri: str) -> Iterator[None]:
 
     with _DEFAULT_URI_LOCK:
         env = os.environ.get("MLFLOW_TRACKING_URI")
-        previous = mlflow.get_tracking_uri()
+        # None when nothing set one: restoring get_tracking_uri()'s answer then would set MLflow's
+        # default (sqlite:///mlflow.db in the working directory) for good, and every later default
+        # client of the process (traces, the registry's source lookups) used that file
+        previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None  # type: ignore[no-untyped-call]
         mlflow.set_tracking_uri(uri)
         try:
             yield
         finally:
-            mlflow.set_tracking_uri(previous)
+            mlflow.set_tracking_uri(previous)  # type: ignore[arg-type]  # None: unset, as MLflow allows
             if env is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
             else:

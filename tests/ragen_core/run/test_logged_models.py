@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -41,6 +42,9 @@ def test_the_seeds_of_one_config_are_versions_of_one_registered_model(tmp_path: 
     a, client, _ = _registered(tmp_path, "seed0", config_name="bandit-tiny")
     b, _, _ = _registered(tmp_path, "seed1", config_name="bandit-tiny")
     assert registry_name(a.info()) == registry_name(b.info()) == "bandit-tiny"
+    # registering leaves MLflow's process-wide tracking URI unset, as it found it (setting it to the
+    # default sent every later default client to ./mlflow.db)
+    assert not mlflow.is_tracking_uri_set()
     assert [m.name for m in client.search_registered_models()] == ["bandit-tiny"]  # not one per run
     versions = client.search_model_versions("name='bandit-tiny'")
     assert len(versions) == 2
