@@ -24,42 +24,6 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-#: The test files that take longest under `make test` (their tests' summed durations, a fresh-clone run
-#: on 2 cores, longest first). `--dist loadfile` hands files to the two workers in collection order, so
-#: these go first and the many short files fill in at the end: collected alphabetically, the heavy
-#: reliability files and the end-to-end test came last and one worker ran them alone.
-LONGEST_FILES = (
-    "tests/flows/test_train.py",
-    "tests/ragen_core/models/test_model_import.py",
-    "tests/flows/test_sweep_workers.py",
-    "tests/reliability/test_tracking_faults.py",
-    "tests/reliability/test_processes.py",
-    "tests/reliability/test_interrupt.py",
-    "tests/reliability/test_run_identity.py",
-    "tests/reliability/test_ray_nodes.py",
-    "tests/test_e2e.py",
-    "tests/ragen_core/rollout/test_vllm_engine.py",
-    "tests/flows/test_off_policy.py",
-    "tests/flows/test_remote_train.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first (see LONGEST_FILES); within a file, and among the others, the order
-    stays as collected (a stable sort, the same on every worker, as xdist requires)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    root = Path(str(config.rootpath))
-
-    def file_rank(item: pytest.Item) -> int:
-        try:
-            name = item.path.relative_to(root).as_posix()
-        except ValueError:
-            return len(rank)
-        return rank.get(name, len(rank))
-
-    items.sort(key=file_rank)
-
-
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch intra-op thread for a module's tests: the suite's workers share 2 cores, and tiny
