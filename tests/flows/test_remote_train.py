@@ -24,7 +24,8 @@ import pytest
 
 from envs.base import Env, StepResult
 from envs.wire.server import ServerThread, create_app
-from tests.prefect_server import shared_server_env
+from tests.flows.test_train import Result
+from tests.flows.test_train import ragen as run_cli
 from tests.process_env import child_env
 
 #: end-to-end runs (a server process, training runs): `make test` runs them, `make test-fast` does not
@@ -109,18 +110,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, subp
         proc.wait(timeout=30)
 
 
-def ragen(args: list[str], state: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = child_env(
-        RAGEN_STATE_DIR=str(state), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **shared_server_env()
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def ragen(args: list[str], state: Path) -> Result:
+    """The CLI as every end-to-end test runs it (its own process group, killed afterwards), one torch
+    thread: the server process shares the cores."""
+    return run_cli(args, state, extra_env={"OMP_NUM_THREADS": "1"})
 
 
 def train(state: Path, extra: list[str]) -> Path:
