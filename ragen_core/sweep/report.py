@@ -12,6 +12,7 @@ No MLflow import here (docs/architecture.md, "Layers"): the store is reached thr
 from __future__ import annotations
 
 import fnmatch
+import functools
 import html
 import json
 import math
@@ -154,25 +155,23 @@ class Report(BaseModel):
         out.mkdir(parents=True, exist_ok=True)
         pngs = render_curves(self, out)
         (out / "report.json").write_text(self.model_dump_json(indent=1))
-        (out / "report.md").write_text(self.to_markdown([p.name for p in pngs], run_url=run_url))
-        (out / "report.html").write_text(self.to_html(out, [p.name for p in pngs], run_url))
+        markdown = self.to_markdown([p.name for p in pngs], run_url=run_url)
+        (out / "report.md").write_text(markdown)
+        (out / "report.html").write_text(self.to_html(markdown, out))
         return [out / "report.md", out / "report.html", out / "report.json", *pngs]
 
-    def to_html(
-        self, folder: Path, plots: Sequence[str], run_url: Callable[[str], str | None] | None = None
-    ) -> str:
-        """The report as one self-contained HTML page: ``report.md`` rendered, each curve (a PNG in
-        ``folder``) inlined as a data URI."""
+    def to_html(self, markdown: str, folder: Path) -> str:
+        """``markdown`` (the report's ``report.md``) as one self-contained HTML page, each curve it
+        shows (a PNG in ``folder``) inlined as a data URI."""
         import base64
 
         from markdown_it import MarkdownIt
 
-        images = {p: base64.b64encode((folder / p).read_bytes()).decode() for p in plots}
-        markdown = re.sub(
-            r"!\[([^\]]*)\]\(([^)]+)\)",
-            lambda m: f"![{m[1]}](data:image/png;base64,{images[m[2]]})" if m[2] in images else m[0],
-            self.to_markdown(plots, run_url=run_url),
-        )
+        def inline(m: re.Match[str]) -> str:
+            png = folder / m[2]
+            return f"![{m[1]}](data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()})"
+
+        markdown = re.sub(r"!\[([^\]]*)\]\(([^)/:]+\.png)\)", inline, markdown)
         body = MarkdownIt("commonmark").enable("table").render(markdown)
         return (
             f"<!doctype html><html><head><meta charset='utf-8'><title>Sweep {html.escape(self.sweep)}</title>"
@@ -224,7 +223,8 @@ def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str]
     final and peak, :meth:`Report.summary_metrics`, at the step of the number of finished members, so a
     resumed sweep's later report adds a point). Returns the report as markdown whose images are served
     by MLflow's UI (for Prefect's artifact page, which cannot show local files)."""
-    paths = report.write(out, run_url=tracker.run_url)
+    run_url = functools.cache(tracker.run_url)  # a store read per member, for the two pages that link them
+    paths = report.write(out, run_url=run_url)
     plots = [p.name for p in paths if p.suffix == ".png"]
     image_url = None
     if log_artifacts:
@@ -239,7 +239,7 @@ def publish_report(report: Report, tracker: Tracker, out: str | os.PathLike[str]
     metrics = report.summary_metrics()
     if metrics:
         tracker.log_iteration(sum(m.status == "FINISHED" for m in report.members), metrics)
-    return report.to_markdown(plots, image_url, tracker.run_url)
+    return report.to_markdown(plots, image_url, run_url)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
