@@ -278,14 +278,13 @@ class _Sweep:
         except Exception:
             return False
 
-    def new_child(self, m: Member, tracking: TrackingConfig, run_id: str | None = None) -> str:
+    def new_child(self, m: Member, tracking: TrackingConfig) -> str:
         """Create the member's child run (RUNNING; the training flow continues and ends it), named by
         its member key (``no-filter-s0``: the parent says which sweep; a ragen run id such as
-        ``ab.no-filter-s0-330cc256-fa7af7`` was cut short everywhere in the UI), the ragen run id
-        (``run_id``) kept as its tag."""
+        ``ab.no-filter-s0-330cc256-fa7af7`` was cut short everywhere in the UI). The training flow
+        tags it with the ragen run id when it takes the run over."""
         child = Tracker(tracking, self.state_dir)
-        tags = self._child_tags(m) | ({"ragen.run_id": run_id} if run_id else {})
-        return child.start(m.key, {}, tags=tags, parent_run_id=self.state.parent_run_id)
+        return child.start(m.key, {}, tags=self._child_tags(m), parent_run_id=self.state.parent_run_id)
 
     def fail_child(self, run_id: str, error: str) -> None:
         client = self.parent.client
@@ -321,7 +320,7 @@ class _Sweep:
             e.mlflow_run_id = None
         info = run.info()
         if not self._child_exists(info.get("mlflow_run_id")):
-            e.mlflow_run_id = self.new_child(m, cfg.tracking, run_id=info["run_id"])
+            e.mlflow_run_id = self.new_child(m, cfg.tracking)
             run.update_info(mlflow_run_id=e.mlflow_run_id)
         else:
             e.mlflow_run_id = info["mlflow_run_id"]
