@@ -59,6 +59,9 @@ class Env(ABC):
 
     actions: list[str] | None = None
     grid_vocab: dict[str, str] | None = None
+    #: The valid actions change with the state although ``actions`` is ``None`` (WebShop's clickables):
+    #: constrained decoding then spells :meth:`answer_actions` of each turn's state.
+    state_actions: ClassVar[bool] = False
 
     @abstractmethod
     def reset(self, seed: int) -> str:
@@ -119,6 +122,13 @@ class Env(ABC):
             delta = rng.choice([-3, -2, -1, 1, 2, 3])
             return [str(int(value) + delta) if value == int(value) else str(value + delta)]
         return [str(rng.randint(0, 100))]
+
+    def answer_actions(self) -> list[str] | None:
+        """The actions a constrained answer may spell in the current state (``agent.action_decoding:
+        constrained``): ``actions``. An environment with :attr:`state_actions` returns the current state's
+        (WebShop: the shown page's clickables), or ``None`` where this state takes free text (WebShop's
+        search box), which leaves that turn's answer free."""
+        return self.actions
 
     # Helpers for discrete-action subclasses -------------------------------------------------
     def match_action(self, action: str) -> int | None:

@@ -57,6 +57,7 @@ class WebShopEnv(Env):
     """RAGEN's WebShop over a generated catalogue (or WebShop's own files with ``data_dir``)."""
 
     env_type: ClassVar[str] = "webshop"
+    state_actions: ClassVar[bool] = True  # the page's clickables: answer_actions()
     success_means: ClassVar[str] = (
         "the bought product matches the instruction in full: its type, every attribute and option "
         "asked for, and the price bound (WebShop's score is 1)."
@@ -95,6 +96,7 @@ class WebShopEnv(Env):
         self.max_query_chars = max_query_chars
         self.render_instructions = render_instructions
         self.actions = None  # free text: the answer is the action string, checked against the page
+        # (answer_actions() gives constrained decoding the page's clickables)
         self.goal: Goal | None = None
         self.state = PageState()
         self.searches = 0
@@ -119,6 +121,13 @@ class WebShopEnv(Env):
         """RAGEN's list: ``search[<content>]`` where searching is possible, then ``click[...]``."""
         out = ["search[<content>]"] if self._can_search() else []
         return out + [f"click[{c}]" for c in clickables(self.state)]
+
+    def answer_actions(self) -> list[str] | None:
+        """The page's ``click[...]`` actions, spelt as this env accepts them; ``None`` on the search page,
+        whose keywords are free text (constrained decoding leaves that turn free)."""
+        if self.state.kind == "search":
+            return None
+        return [f"click[{c}]" for c in clickables(self.state)] or None
 
     def step(self, action: str) -> StepResult:
         parsed = self._parse(action)

@@ -111,17 +111,19 @@ def _model_shape_problems(m: ModelConfig) -> list[str]:
 def played_actions(cfg: RagenConfig) -> list[tuple[str, str, list[str] | None]]:
     """``(key, tag, actions)`` for every train and validation tag: the action names its env (with the
     config's overrides) offers, None for free-text answers; a tag whose env cannot be built is left out
-    (it is reported where it is played)."""
+    (it is reported where it is played), and so is one whose actions follow its state (WebShop's
+    clickables: no fixed list to check; constrained decoding spells each turn's)."""
     import envs
 
     out = []
     for key, groups in (("train.tags", cfg.train), ("val.tags", cfg.val)):
         for tag in groups.tags:
             try:
-                actions = envs.make(tag, **groups.env_overrides.get(tag, {})).actions
+                env = envs.make(tag, **groups.env_overrides.get(tag, {}))
             except Exception:
                 continue
-            out.append((key, tag, actions))
+            if not env.state_actions:
+                out.append((key, tag, env.actions))
     return out
 
 
@@ -136,7 +138,7 @@ def _action_decoding_problems(cfg: RagenConfig) -> list[str]:
             problems.append(
                 f"{key}: {tag} has free-text answers (no list of actions), so agent.action_decoding="
                 "constrained has nothing to spell; set agent.action_decoding=free or train on an "
-                "environment with actions (Bandit, FrozenLake, Sokoban)"
+                "environment with actions (Bandit, FrozenLake, Sokoban, WebShop)"
             )
     return problems
 

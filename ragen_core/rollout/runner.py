@@ -91,6 +91,8 @@ class _Turn:
     closed: bool  # False: cut by max_new_tokens; the runner appends an end-of-turn token
     #: per sampled token, the ids it was sampled among (constrained decoding), else empty
     allowed: list[tuple[int, ...] | None] = field(default_factory=list)
+    #: "constrained" or "free": how this turn's answer was decoded
+    decoding: str = "free"
 
 
 @dataclass
@@ -256,9 +258,12 @@ class _Episodes:
         self.constrained = protocol.action_decoding == "constrained"
         self.grammars: dict[tuple[str, ...], ActionGrammar] = {}
 
-    def constraint(self, env_id: int) -> AnswerConstraint:
-        """A fresh answer constraint over env ``env_id``'s actions (one grammar per action set)."""
-        actions = tuple(self.groups.env(env_id).actions or ())
+    def constraint(self, env_id: int) -> AnswerConstraint | None:
+        """A fresh answer constraint over env ``env_id``'s actions in its current state (one grammar per
+        action set), or ``None`` where that state takes free text (WebShop's search page)."""
+        actions = tuple(self.groups.env(env_id).answer_actions() or ())
+        if not actions:
+            return None
         if actions not in self.grammars:
             self.grammars[actions] = ActionGrammar.for_protocol(self.tokenizer, actions, self.protocol)
         return AnswerConstraint(
@@ -292,18 +297,25 @@ class _Episodes:
             messages, turns, start = self.visible(env_id, True)
             prompts.append(seg.assemble(messages, turns, start)[0])
         seeds = [turn_seed(seed, seed_round, self.split, env_id, turn) for env_id in active]
+        constraints = [self.constraint(env_id) if self.constrained else None for env_id in active]
         if self.constrained:
             gens = cast(_ConstrainedEngine, self.engine).generate(
-                prompts, self.params, seeds, constraints=[self.constraint(env_id) for env_id in active]
+                prompts, self.params, seeds, constraints=constraints
             )
         else:
             gens = self.engine.generate(prompts, self.params, seeds)
         responses = {}
-        for env_id, gen in zip(active, gens, strict=True):
+        for env_id, gen, constraint in zip(active, gens, constraints, strict=True):
             ids = list(gen.token_ids)
             closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
             self.convs[env_id].turns.append(
-                _Turn(ids=ids, logprobs=list(gen.logprobs), closed=closed, allowed=list(gen.allowed))
+                _Turn(
+                    ids=ids,
+                    logprobs=list(gen.logprobs),
+                    closed=closed,
+                    allowed=list(gen.allowed),
+                    decoding="free" if constraint is None else "constrained",
+                )
             )
             responses[env_id] = self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
         groups.step(responses)
@@ -326,7 +338,7 @@ class _Episodes:
         decoding: dict[str, Any] = {}
         if self.constrained:  # absent: every turn decoded freely (what every run before this option did)
             decoding = {
-                "turn_decoding": ["constrained"] * len(self.convs[ep.env_id].turns),
+                "turn_decoding": [t.decoding for t in self.convs[ep.env_id].turns],
                 "allowed_token_ids": allowed,
             }
         return Trajectory(

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import envs
 from envs.registry import EnvSpec
 from envs.webshop.env import WebShopEnv
 from envs.webshop.oracle import oracle_plan
+from envs.webshop.pages import BACK
+from ragen_core.config.learner import AlgorithmConfig, LearnerConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.learner.batch import to_token_batch
+from ragen_core.learner.update import Learner
 from ragen_core.models.policies import train_tokenizer
 from ragen_core.protocol import ProtocolConfig
 from ragen_core.rollout.engine import Generation, RolloutEngine, SamplingParams
+from ragen_core.rollout.hf_engine import HFEngine
 from ragen_core.rollout.runner import run_rollouts
-from ragen_core.trajectory import read_trajectories, write_trajectories
+from ragen_core.trajectory import read_trajectories, to_table, write_trajectories
 from tests.envs.webshop.fixture import CABLE, TWIN, write_fixture
+from tests.tiny_policy import smallest_policy
 
 #: env_id -> what that shopper does. Every goal of the fixture asks for 2 attributes and 2 options,
 #: so a score is (attribute matches + option matches + price ok) / 5 times the type factor:
@@ -73,7 +80,8 @@ class ShopperEngine(RolloutEngine):
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def shop_tag(tmp_path_factory) -> str:
+    """The tag ``WebShopFixture``: WebShop over the fixture's files, with WebShop's fractional score."""
     tmp = tmp_path_factory.mktemp("ws")
     data = write_fixture(tmp / "data")
     envs.register_tag(
@@ -87,11 +95,17 @@ def rows(tmp_path_factory):
             env_config={"data_dir": str(data), "binary_reward": False, "index_dir": str(tmp)},
         )
     )
+    return "WebShopFixture"
+
+
+@pytest.fixture(scope="module")
+def rows(shop_tag, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rows")
     tok = train_tokenizer(
         ["search click buy now shampoo tea tree sulfate free lavender rose"] * 4, vocab_size=400
     )
     groups = EnvGroups(
-        EnvGroupsConfig(tags=["WebShopFixture"], n_groups=[4], group_size=1),
+        EnvGroupsConfig(tags=[shop_tag], n_groups=[4], group_size=1),
         ProtocolConfig(max_turn=9, max_actions_per_turn=1),
     )
     trajs = run_rollouts(groups, ShopperEngine(groups, tok), tok, SamplingParams(), seed=0)
@@ -140,3 +154,74 @@ def test_binary_reward_is_ragens(tmp_path) -> None:
     assert (
         res.info["webshop_score"] == pytest.approx(0.8) and res.reward == 0.0 and res.info["success"] is False
     )
+
+
+class SearchThenPolicy(HFEngine):
+    """A real policy whose free turns (the search page) are a scripted search: a random tiny model would
+    never leave the search page, and the pages after it are what constrained decoding spells."""
+
+    def generate(self, prompts, params, seeds=None, constraints=None):
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        search = [*self.tokenizer.encode("search[tea tree shampoo]</answer>"), eos]
+        out: list[Generation | None] = [None] * len(prompts)
+        played = [i for i, c in enumerate(constraints) if c is not None]
+        for i, c in enumerate(constraints):
+            if c is None:
+                out[i] = Generation(token_ids=search, logprobs=[0.0] * len(search), finish_reason="stop")
+        if played:
+            gens = super().generate(
+                [prompts[i] for i in played],
+                params,
+                [seeds[i] for i in played],
+                constraints=[constraints[i] for i in played],
+            )
+            for i, gen in zip(played, gens, strict=True):
+                out[i] = gen
+        return out
+
+
+def test_constrained_decoding_spells_the_clickables_of_each_page(shop_tag) -> None:
+    """WebShop's actions change with the page: a constrained turn samples only the shown page's
+    clickables (every action valid, product ids spelt exactly), the search page's turn stays free, and the
+    learner reproduces the behaviour log-probs under each turn's own allowed sets."""
+    model, tok = smallest_policy()
+    groups = EnvGroups(
+        EnvGroupsConfig(
+            tags=[shop_tag],
+            n_groups=[3],
+            group_size=2,
+            env_overrides={shop_tag: {"render_instructions": False}},
+        ),
+        ProtocolConfig(
+            enable_think=False,
+            max_turn=4,
+            max_actions_per_turn=1,
+            max_context_window=1,  # this tokenizer never saw WebShop's pages: they are long in it
+            action_decoding="constrained",
+        ),
+    )
+    engine = SearchThenPolicy(model, tok)
+    trajs = run_rollouts(groups, engine, tok, SamplingParams(max_new_tokens=48), seed=1, run_id="t")
+    clicks = 0
+    for t in trajs:
+        assert all(i["action_is_valid"] for i in t.info["infos"]), t.actions
+        assert all(len(a) == 1 for a in t.actions)  # one valid action a turn
+        # free exactly on the search page: the first turn, and after "back to search"
+        on_search = [i == 0 or t.actions[i - 1] == [f"click[{BACK}]"] for i in range(t.turn_count)]
+        assert t.info["turn_decoding"] == ["free" if s else "constrained" for s in on_search], (
+            t.actions,
+            t.info["turn_decoding"],
+        )
+        clicks += on_search.count(False)
+    assert clicks >= 6  # the pages after a search were played, constrained
+
+    batch = to_token_batch(to_table(trajs))
+    assert batch.allowed_token_ids is not None
+    learner = Learner(model, LearnerConfig(algorithm=AlgorithmConfig(adv_estimator="grpo")))
+    with torch.no_grad():
+        masked, _ = learner._logprobs(
+            model, batch.input_ids, batch.loss_mask.bool(), allowed=batch.allowed_token_ids
+        )
+    constrained = (batch.allowed_token_ids >= 0).any(-1)
+    assert int(constrained.sum()) > 0
+    assert (masked - batch.rollout_logprobs)[constrained].abs().max().item() <= 1e-4

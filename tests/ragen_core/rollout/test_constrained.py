@@ -93,6 +93,9 @@ def test_config_refuses_constrained_decoding_where_it_cannot_work():
     with pytest.raises(ConfigError, match=r"Countdown has free-text answers.*agent\.action_decoding=free"):
         load_config(None, ["agent.action_decoding=constrained", "train.tags=[Countdown]"])
     assert load_config(None, ["agent.action_decoding=constrained"]).agent.action_decoding == "constrained"
+    # WebShop's actions are each page's clickables (tests/envs/webshop/test_rollout.py)
+    cfg = load_config("configs/webshop-tiny.yaml", ["agent.action_decoding=constrained"])
+    assert cfg.agent.action_decoding == "constrained"
     # both engines implement it (the vllm one as a logits processor: tests/ragen_core/rollout/test_vllm_engine.py)
     cfg = load_config(None, ["agent.action_decoding=constrained", "rollout.engine=vllm"])
     assert cfg.agent.action_decoding == "constrained" and cfg.rollout.engine == "vllm"
