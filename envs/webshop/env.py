@@ -45,6 +45,9 @@ RENDER_INSTRUCTIONS: tuple[str, ...] = (
     "Never click description.",
 )
 MAX_ACTION_CHARS = 1000
+#: RAGEN's listing of the search action; ``<content>`` is also the answer grammar's free-text slot
+#: (ragen_core/rollout/constrained.py), so constrained decoding spells ``search[`` and ``]`` around free keywords.
+SEARCH_ACTION = "search[<content>]"
 _ACTION = re.compile(r"(search|click)\[(.*)\]", re.DOTALL)
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -119,14 +122,15 @@ class WebShopEnv(Env):
 
     def available_actions(self) -> list[str]:
         """RAGEN's list: ``search[<content>]`` where searching is possible, then ``click[...]``."""
-        out = ["search[<content>]"] if self._can_search() else []
+        out = [SEARCH_ACTION] if self._can_search() else []
         return out + [f"click[{c}]" for c in clickables(self.state)]
 
     def answer_actions(self) -> list[str] | None:
-        """The page's ``click[...]`` actions, spelt as this env accepts them; ``None`` on the search page,
-        whose keywords are free text (constrained decoding leaves that turn free)."""
+        """The page's ``click[...]`` actions, spelt as this env accepts them; on the search page
+        ``search[<content>]``, whose keywords are free text (a slot of the answer grammar), or ``None`` once
+        the searches are used up (that turn's answer is free, and invalid whatever it says)."""
         if self.state.kind == "search":
-            return None
+            return [SEARCH_ACTION] if self._can_search() else None
         return [f"click[{c}]" for c in clickables(self.state)] or None
 
     def step(self, action: str) -> StepResult:

@@ -22,6 +22,13 @@ the update is exactly that of the policy that played (docs/architecture.md, "Con
 decoding"). With thinking on, the think part is free and the constraint starts after the model has
 written ``<answer>`` itself. Within ``max_new_tokens`` only answers that can still be closed in time
 are allowed, so a thinking-off answer is always valid.
+
+An action may hold one free-text slot, written ``<content>`` (WebShop's ``search[<content>]``): its
+head (``search[``) is spelt from the trie, then the slot's tokens are free (sampled from the whole
+vocabulary, recorded as free, so the learner's log-probs are the full softmax there too) until a token
+that ends with the slot's tail (``]``); the grammar goes on after the action from there. Within the
+budget the tail is forced once only it and the shortest end of the answer still fit. A slot token that
+runs past its tail (``]</``) leaves the rest of that answer free.
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ __all__ = [
 #: The text that opens the answer span (the forced prefix when thinking is off).
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
+#: A free-text slot inside an action (``search[<content>]``), as WebShop lists it.
+SLOT = "<content>"
+#: State marks (the ``trie`` of a path) for the slot's free text and for an answer left free.
+_IN_SLOT, _FREE = -1, -2
+
+State = frozenset[tuple[int, int, int]]
 
 
 class ConstraintError(RagenError, ValueError):
@@ -78,11 +91,54 @@ def answer_spellings(actions: Sequence[str], sep: str) -> dict[str, list[str]]:
     def both(text: str) -> list[str]:
         return [text, " " + text]
 
+    fixed = [a.strip() for a in actions if SLOT not in a]
+    heads = [a.strip().split(SLOT)[0] for a in actions if SLOT in a]
     return {
-        "action": [s for a in actions for s in both(a.strip())],
+        "action": [s for a in fixed for s in both(a)],
+        "slot": [s for h in heads for s in both(h)],
         "sep": both(sep.strip()),
         "close": both(ANSWER_CLOSE),
     }
+
+
+def _slot_tail(actions: Sequence[str]) -> str | None:
+    """The text that ends every slot (``]``), or None without slots; one slot per action, one tail."""
+    tails = set()
+    for a in actions:
+        if SLOT in a:
+            head, *rest = a.strip().split(SLOT)
+            if len(rest) != 1 or not head or not rest[0]:
+                raise ConstraintError(
+                    f"agent.action_decoding=constrained: the action {a!r} needs text before and after its "
+                    f"one {SLOT} slot (like 'search[{SLOT}]')"
+                )
+            tails.add(rest[0])
+    if len(tails) > 1:
+        raise ConstraintError(f"agent.action_decoding=constrained: slots must end alike, got {sorted(tails)}")
+    return tails.pop() if tails else None
+
+
+def _slot_tokens(tokenizer: Any, tail: str) -> dict[str, list[int]]:
+    """The tokens that end a slot: ``tail`` (the tail's own spellings, forced at the budget's end),
+    ``ends`` (every token whose text ends with the tail and holds it once, e.g. ``shampoo]``) and
+    ``spill`` (tokens that hold the tail with more text after it, e.g. ``]</``)."""
+    tail_ids = []
+    for text in (tail, " " + tail):
+        ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+        if len(ids) == 1 and ids not in tail_ids:
+            tail_ids.append(ids)
+    if not tail_ids:
+        raise ConstraintError(
+            f"agent.action_decoding=constrained: the tokenizer spells the slot's end {tail!r} in more than one "
+            "token; use a tokenizer with it as one token, or set agent.action_decoding=free"
+        )
+    ends: list[int] = []
+    spill: list[int] = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        if tail in text:
+            (ends if text.endswith(tail) and text.count(tail) == 1 else spill).append(i)
+    return {"tail": [t for (t,) in tail_ids], "ends": ends, "spill": spill}
 
 
 class ActionGrammar:
@@ -102,8 +158,11 @@ class ActionGrammar:
                 "none (free-text answers such as Countdown's expressions): set agent.action_decoding=free"
             )
         unk = getattr(tokenizer, "unk_token_id", None)
+        tail = _slot_tail(actions)
         texts = answer_spellings(actions, sep)
         encoded: dict[str, list[list[int]]] = {}
+        if tail is not None:
+            encoded.update({k: [v] for k, v in _slot_tokens(tokenizer, tail).items()})
         for kind, spellings in texts.items():
             seqs = []
             for text in spellings:
@@ -123,12 +182,16 @@ class ActionGrammar:
         self.max_actions = int(max_actions)
         self.eos_id = int(eos_id)
         self.spellings = encoded
-        self._action = _trie({"action": encoded["action"]})
+        slots = encoded.get("tail", [[]])[0]
+        self._slot_tail = tuple(sorted(slots))
+        self._slot_ends = frozenset(encoded.get("ends", [[]])[0]) | frozenset(slots)
+        self._slot_spill = frozenset(encoded.get("spill", [[]])[0])
+        self._action = _trie({"action": encoded["action"], "slot": encoded.get("slot", [])})
         self._sep_close = _trie({"sep": encoded["sep"], "close": encoded["close"]})
         self._close = _trie({"close": encoded["close"]})
         self._eos = _trie({"eos": [[self.eos_id]]})
-        self._cache: dict[frozenset[tuple[int, int, int]], tuple[int, ...]] = {}
-        self._to_end: dict[frozenset[tuple[int, int, int]], int] = {}
+        self._cache: dict[State, tuple[int, ...]] = {}
+        self._to_end: dict[State, int] = {}
         self._nodes: list[_Node] = []
         self._ids: dict[int, int] = {}
 
@@ -160,9 +223,23 @@ class ActionGrammar:
         return grammar
 
     def vocabulary(self) -> tuple[int, ...]:
-        """Every token id the grammar can allow (its spellings' ids and eos), sorted."""
-        ids = {t for seqs in self.spellings.values() for seq in seqs for t in seq}
+        """Every token id the grammar can restrict to (its spellings' ids and eos; a slot's free tokens
+        are not restricted), sorted."""
+        kinds = [k for k in self.spellings if k not in ("ends", "spill")]
+        ids = {t for k in kinds for seq in self.spellings[k] for t in seq}
         return tuple(sorted(ids | {self.eos_id}))
+
+    def in_slot(self, state: State) -> bool:
+        """``state`` is inside a slot's free text."""
+        return any(trie == _IN_SLOT for trie, _, _ in state)
+
+    def free(self, state: State) -> bool:
+        """Nothing restricts the next token: inside a slot, or after a slot token ran past its tail."""
+        return any(trie in (_IN_SLOT, _FREE) for trie, _, _ in state)
+
+    def slot_tail(self) -> tuple[int, ...]:
+        """The tokens that close a slot when the budget forces it."""
+        return self._slot_tail
 
     # States hold node ids (not nodes) so that they hash and compare cheaply.
     def _id(self, node: _Node) -> int:
@@ -176,12 +253,15 @@ class ActionGrammar:
         """The trie after ``n_actions`` complete actions: a separator (if another action fits) or close."""
         return self._sep_close if n_actions < self.max_actions else self._close
 
-    def start(self) -> frozenset[tuple[int, int, int]]:
+    def start(self) -> State:
         """The state at the start of the answer span (just after ``<answer>``)."""
         return frozenset({(self._id(self._action), self._id(self._action), 0)})
 
-    def allowed(self, state: frozenset[tuple[int, int, int]]) -> tuple[int, ...]:
-        """The sorted token ids that continue ``state`` (empty once the eos token has been read)."""
+    def allowed(self, state: State) -> tuple[int, ...]:
+        """The sorted token ids that continue ``state`` (empty once the eos token has been read; the
+        tail's tokens inside a slot, where any token may come first: see :meth:`free`)."""
+        if self.free(state):
+            return self._slot_tail if self.in_slot(state) else ()
         got = self._cache.get(state)
         if got is None:
             toks: set[int] = set()
@@ -190,9 +270,13 @@ class ActionGrammar:
             got = self._cache[state] = tuple(sorted(toks))
         return got
 
-    def tokens_to_end(self, state: frozenset[tuple[int, int, int]]) -> int:
+    def tokens_to_end(self, state: State) -> int:
         """The fewest tokens that finish an answer from ``state``, eos included (0 once it is read).
         The automaton has no cycle (each separator leads to one more action, at most ``max_actions``)."""
+        if self.free(state):  # a slot needs its tail and the rest; an answer left free, nothing
+            return (
+                1 + self.tokens_to_end(self.advance(state, self._slot_tail[0])) if self.in_slot(state) else 0
+            )
         got = self._to_end.get(state)
         if got is None:
             allowed = self.allowed(state)
@@ -200,8 +284,16 @@ class ActionGrammar:
             self._to_end[state] = got
         return got
 
-    def advance(self, state: frozenset[tuple[int, int, int]], token: int) -> frozenset[tuple[int, int, int]]:
+    def advance(self, state: State, token: int) -> State:
         """The state after ``token`` (an empty state when ``token`` is not allowed)."""
+        if self.free(state):
+            if not self.in_slot(state) or token in self._slot_spill:
+                return frozenset({(_FREE, 0, 0)})
+            n = next(n for trie, _, n in state if trie == _IN_SLOT)
+            if token in self._slot_ends:  # the action is complete
+                nxt = self._root_after(n + 1)
+                return frozenset({(self._id(nxt), self._id(nxt), n + 1)})
+            return state
         out: set[tuple[int, int, int]] = set()
         for trie, node, n in state:
             child = self._nodes[node].children.get(token)
@@ -217,6 +309,8 @@ class ActionGrammar:
                     out.add((self._id(self._action), self._id(self._action), n))
                 elif kind == "close":
                     out.add((self._id(self._eos), self._id(self._eos), n))
+                elif kind == "slot":  # the slot's free text starts; other paths end here
+                    return frozenset({(_IN_SLOT, 0, n)})
         return frozenset(out)
 
 
@@ -267,6 +361,11 @@ class AnswerConstraint:
 
     def allowed(self) -> tuple[int, ...] | None:
         if self.state is None:
+            return None
+        g = self.grammar
+        if g.free(self.state):  # a slot's text is free until only its tail and the answer's end still fit
+            if g.in_slot(self.state) and self.left is not None and g.tokens_to_end(self.state) >= self.left:
+                return g.slot_tail()
             return None
         got = self.grammar.allowed(self.state)
         if self.left is not None and got and self.grammar.tokens_to_end(self.state) <= self.left:

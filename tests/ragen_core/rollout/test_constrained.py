@@ -266,3 +266,50 @@ def test_a_tight_token_budget_closes_the_answer_in_time(policy):
             assert len(ids) <= budget and ids[-1] == g.eos_id
             text = "<answer>" + tok.decode(ids, skip_special_tokens=True)
             assert parse_response(text, cfg, ACTIONS).format_ok, text
+
+
+SHOP = ["search[<content>]", "click[b0jizutbdk]", "click[buy now]"]
+
+
+def test_a_slot_is_free_text_between_its_head_and_tail(policy):
+    """WebShop's ``search[<content>]``: ``search[`` is spelt, the keywords are free (the engine samples
+    them from the whole vocabulary), ``]`` ends them, and the budget forces ``]`` in time; every answer
+    is a list of valid actions whatever the free text was."""
+    _, tok = policy
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    g = ActionGrammar(tok, SHOP, "||", 2, eos)
+    (tail,) = g.slot_tail()
+    assert tok.decode([tail]) == "]" and tail in g.vocabulary()
+    assert not set(g.spellings["spill"][0]) & set(g.vocabulary())  # free tokens are never restricted
+    words = [i for w in (" tea", " tree", "shampoo", " for", " men", " 3") for i in tok.encode(w)]
+    rng = random.Random(4)
+    shortest = g.tokens_to_end(g.start())
+    for budget in range(shortest, shortest + 24, 3):
+        for _ in range(30):
+            c = AnswerConstraint(g, tok, in_answer=True, budget=budget)
+            ids: list[int] = []
+            while not ids or ids[-1] != eos:
+                allowed = c.allowed()
+                if allowed is None:  # inside the slot: any token; here words, sometimes the tail
+                    assert g.in_slot(c.state)
+                    ids.append(rng.choice([*words, tail]))
+                else:
+                    ids.append(rng.choice(allowed))
+                c.advance(ids[-1])
+            assert len(ids) <= budget
+            text = tok.decode(ids, skip_special_tokens=True)
+            assert text.endswith("</answer>"), text
+            for action in text.removesuffix("</answer>").split("||"):
+                action = action.strip()
+                assert action in SHOP[1:] or (
+                    action.startswith("search[") and action.endswith("]") and action.count("]") == 1
+                ), text
+    # a token that runs past the tail leaves the rest of the answer free
+    c = AnswerConstraint(g, tok, in_answer=True, budget=40)
+    for i in tok.encode("search[tea"):
+        c.advance(i)
+    for spill in g.spellings["spill"][0][:1]:
+        c.advance(spill)
+        assert c.allowed() is None and not g.in_slot(c.state)
+    rebuilt = ActionGrammar.from_spec(g.spec())
+    assert rebuilt.spec() == g.spec() and rebuilt.tokens_to_end(rebuilt.start()) == shortest
