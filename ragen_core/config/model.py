@@ -4,6 +4,8 @@ builds and loads what it names."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: The dtype spellings ``model.dtype`` accepts (``ragen_core.models.policies`` maps each to its torch dtype).
@@ -42,6 +44,11 @@ class ModelConfig(BaseModel):
         default=None,
         description="env tags whose texts train the tiny tokenizer; None: the catalogue's default corpus "
         "(WebShop's long pages are not in it: a WebShop config names its tag here)",
+    )
+    corpus_env_overrides: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="env settings per corpus tag, so that the tokenizer reads the envs the run plays "
+        "(WebShop's shop: the same settings as train.env_overrides)",
     )
     cell_tokens: bool = Field(
         default=False,

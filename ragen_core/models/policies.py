@@ -181,10 +181,30 @@ def _cells_apart(state: str) -> str:
     return "\n".join("0".join(line) + "0" for line in state.split("\n"))
 
 
-def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = False) -> list[str]:
+def _state_answer(env: Any, rng: random.Random, actions_left: int) -> list[str]:
+    """One action of an env whose actions follow its state (WebShop): the oracle's or, every other
+    time, another of the page's (a slot filled with the oracle's text), so that the corpus holds the
+    pages past the first (results, items) with what a player writes on them."""
+    try:
+        oracle = env.oracle_actions(actions_left, 1, 1)[:1]
+    except NotImplementedError:
+        oracle = []
+    shown = [a for a in env.answer_actions() or [] if "<content>" not in a]
+    if shown and (not oracle or rng.random() < 0.5):
+        return [rng.choice(shown)]
+    return oracle or [str(rng.randint(1, 100))]
+
+
+def _tag_texts(
+    tag: str,
+    n_seeds: int,
+    rng: random.Random,
+    cell_tokens: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> list[str]:
     import envs
 
-    env = envs.make(tag)
+    env = envs.make(tag, **(overrides or {}))
     spec = env.spec  # type: ignore[attr-defined]
     grid = cell_tokens and bool(getattr(env, "grid_vocab", None))
 
@@ -208,6 +228,9 @@ def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = F
             for t in range(2, 2 + min(budget, 3)):
                 if actions:
                     chosen = rng.sample(actions, k=min(len(actions), rng.randint(1, 3)))
+                    answer = join_actions(chosen, cfg)
+                elif env.state_actions:
+                    chosen = _state_answer(env, rng, budget - t + 2)
                     answer = join_actions(chosen, cfg)
                 else:
                     answer = str(rng.randint(1, 100))
@@ -235,7 +258,11 @@ def _tag_texts(tag: str, n_seeds: int, rng: random.Random, cell_tokens: bool = F
 
 
 def env_corpus(
-    n_seeds: int = 16, tags: Iterable[str] | None = None, seed: int = 0, cell_tokens: bool = False
+    n_seeds: int = 16,
+    tags: Iterable[str] | None = None,
+    seed: int = 0,
+    cell_tokens: bool = False,
+    env_overrides: dict[str, dict[str, Any]] | None = None,
 ) -> list[str]:
     """Text like what the policy reads and writes, for training the tiny tokenizer.
 
@@ -243,7 +270,9 @@ def env_corpus(
     so that the tokenizer does not depend on what else a process registered): the tag's instruction prefix, initial
     and later states rendered by the environment for seeds ``0..n_seeds-1``, the per-turn template
     text, reward lines, and ``<think>...</think><answer>...</answer>`` samples with the tag's action
-    names; plus numbers and generic ChatML framing. ``cell_tokens`` writes grid states with their
+    names (an env whose actions follow its state, WebShop, is played by its oracle and the page's own
+    actions, so its later pages are in); plus numbers and generic ChatML framing. ``env_overrides``
+    (tag -> settings) builds a tag's env as a config plays it (WebShop's shop). ``cell_tokens`` writes grid states with their
     cells apart (:func:`_cells_apart`), so that the tokenizer merges no two cells. Tags whose
     environment cannot be built yet (its module missing or broken) raise: a silently smaller corpus
     would give another tokenizer. Deterministic for a given set of tags.
@@ -253,7 +282,7 @@ def env_corpus(
     rng = random.Random(seed)
     corpus: list[str] = []
     for tag in list(tags) if tags is not None else default_corpus_tags():
-        corpus.extend(_tag_texts(tag, n_seeds, rng, cell_tokens))
+        corpus.extend(_tag_texts(tag, n_seeds, rng, cell_tokens, (env_overrides or {}).get(tag)))
     corpus.extend(str(i) for i in range(1000))
     corpus.extend(f"{rng.uniform(-1, 1):.2f} {rng.randint(0, 10000)}" for _ in range(200))
     system = system_content(_protocol(think=True))
@@ -316,7 +345,12 @@ def build_tiny_policy(
     texts = (
         list(corpus)
         if corpus is not None
-        else env_corpus(n_seeds=cfg.corpus_seeds, tags=cfg.corpus_tags, cell_tokens=cfg.cell_tokens)
+        else env_corpus(
+            n_seeds=cfg.corpus_seeds,
+            tags=cfg.corpus_tags,
+            cell_tokens=cfg.cell_tokens,
+            env_overrides=cfg.corpus_env_overrides,
+        )
     )
     tokenizer = train_tokenizer(texts, vocab_size=cfg.vocab_size)
     return build_tiny_model(cfg, tokenizer), tokenizer

@@ -98,6 +98,22 @@ def test_env_corpus_covers_the_catalogue(corpus):
         env_corpus(n_seeds=1, tags=["NoSuchTag"])
 
 
+def test_a_webshop_corpus_reads_the_pages_past_the_search_on_the_configs_shop():
+    """WebShop's actions follow its page: the corpus plays them (its oracle and the page's own), so the
+    tokenizer reads results and item pages, and, with the config's settings, the shop the run plays."""
+    import envs
+
+    shop = {"WebShop": {"num_products": 100, "render_instructions": False}}
+    text = "\n".join(env_corpus(n_seeds=8, tags=["WebShop"], env_overrides=shop))
+    assert "Back to Search" in text and "Buy Now" in text  # a results page and an item page
+    assert "search[" in text and "click[" in text  # answers a player writes
+    asins = {p.asin for p in envs.make("WebShop", **shop["WebShop"]).shop.products}
+    assert any(a in text for a in asins)
+    assert env_corpus(n_seeds=8, tags=["WebShop"], env_overrides=shop) == env_corpus(
+        n_seeds=8, tags=["WebShop"], env_overrides=shop
+    )
+
+
 def test_tokenizer_basics(tokenizer):
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.pad_token == "<|endoftext|>"
