@@ -324,6 +324,7 @@ def _turn_span(trace_id: str, root_id: int, turn: Turn, start_ns: int) -> Span:
         "ragen.action_is_valid": turn.info.get("action_is_valid"),
         "ragen.action_is_effective": turn.info.get("action_is_effective"),
         "ragen.env_info": turn.info,
+        "ragen.decoding": turn.decoding or "free",
     }
     if turn.prompt is None:
         attrs["ragen.prompt"] = (

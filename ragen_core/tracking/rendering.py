@@ -47,6 +47,8 @@ class Turn:
     format_penalty: float
     info: dict[str, Any]
     position: int | None = None  # the response's place in the stored messages; None: not stored
+    #: "constrained" or "free" (``info["turn_decoding"]``); None: a run without constrained decoding
+    decoding: str | None = None
 
 
 def row_info(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,6 +101,7 @@ def _turn(
         format_penalty=float(_item(info.get("turn_penalties") or [], t, 0.0)),
         info=dict(env_info) if isinstance(env_info, Mapping) else {},
         position=pos,
+        decoding=_item(info.get("turn_decoding") or [], t, None),
     )
 
 
@@ -235,7 +238,8 @@ def print_transcript(out: Console, index: int, t: Trajectory, kept: bool | None 
 
 
 def _turn_line(turn: int, played: Turn | None) -> Text:
-    """``turn N: actions [...]  reward R  format penalty P`` (None: a message past the turn columns)."""
+    """``turn N: actions [...]  reward R  format penalty P  constrained decoding`` (None: a message past
+    the turn columns)."""
     from rich.text import Text
 
     line = Text(f"  turn {turn + 1}: ", style="bold magenta")
@@ -248,6 +252,8 @@ def _turn_line(turn: int, played: Turn | None) -> Text:
         line.append(f"  reward {played.reward:+.2f}")
         if played.format_penalty:
             line.append(f"  format penalty {played.format_penalty:+.2f}", style="bold red")
+        if played.decoding is not None:
+            line.append(f"  {printable(played.decoding)} decoding", style="dim")
     return line
 
 

@@ -231,6 +231,30 @@ def test_turns_align_with_the_conversation_also_under_a_context_window() -> None
     assert [s.name for s in spans] == ["episode SimpleSokoban #2", "turn 1", "turn 2", "turn 3"]
 
 
+def test_each_turns_decoding_shows_in_the_transcript_and_its_span() -> None:
+    """Constrained decoding records how each turn was decoded (free where no grammar applied: WebShop's
+    search page once its searches are used up); ``ragen show`` prints it and each turn's span carries it."""
+    import io
+
+    from rich.console import Console
+
+    from ragen_core.tracking.rendering import print_transcript
+
+    t = episode("SimpleSokoban", "train", 1, 0, 2, 3, True)
+    t = dataclasses.replace(t, info={**t.info, "turn_decoding": ["free", "constrained", "constrained"]})
+    row = read_table_of([t]).to_pylist()[0]
+    assert [x.decoding for x in turns_of(row)] == ["free", "constrained", "constrained"]
+    _, spans = build_trace(row, step=1, experiment_id="0", mlflow_run_id="r", start_ms=0)
+    assert [s.attributes.get("ragen.decoding") for s in spans[1:]] == ["free", "constrained", "constrained"]
+    out = io.StringIO()
+    print_transcript(Console(file=out, width=200), 0, t)
+    lines = [line for line in out.getvalue().splitlines() if line.lstrip().startswith("turn ")]
+    assert [line.endswith("decoding") for line in lines] == [True] * 3
+    assert "constrained decoding" in lines[1] and "free decoding" in lines[0]
+    plain = read_table_of([episode("SimpleSokoban", "train", 1, 0, 2, 3, True)]).to_pylist()[0]
+    assert {x.decoding for x in turns_of(plain)} == {None}  # a run without the option: nothing added
+
+
 def test_nul_bytes_of_model_text_are_escaped_in_the_previews_postgresql_stores() -> None:
     """PostgreSQL's text columns refuse NUL: MLflow's server on it rejected a batch of traces for one."""
     row = read_table_of([episode("SimpleSokoban", "train", 1, 0, 2, 1, True)]).to_pylist()[0]
