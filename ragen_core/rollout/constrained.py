@@ -24,7 +24,8 @@ written ``<answer>`` itself. Within ``max_new_tokens`` only answers that can sti
 are allowed, so a thinking-off answer is always valid.
 
 An action may hold one free-text slot, written ``<content>`` (WebShop's ``search[<content>]``): its
-head (``search[``) is spelt from the trie, then the slot's tokens are free (sampled from the whole
+head (``search[``) is spelt from the trie (its last token may run on into the text, as BPE spells
+``search[mid``), then the slot's tokens are free (sampled from the whole
 vocabulary, recorded as free, so the learner's log-probs are the full softmax there too) until a token
 that ends with the slot's tail (``]``); the grammar goes on after the action from there. Within the
 budget the tail is forced once only it and the shortest end of the answer still fit. A slot token that
@@ -134,11 +135,39 @@ def _slot_tokens(tokenizer: Any, tail: str) -> dict[str, list[int]]:
         )
     ends: list[int] = []
     spill: list[int] = []
-    for i in range(len(tokenizer)):
-        text = tokenizer.decode([i], skip_special_tokens=False)
+    for i, text in enumerate(_token_texts(tokenizer)):
         if tail in text:
             (ends if text.endswith(tail) and text.count(tail) == 1 else spill).append(i)
     return {"tail": [t for (t,) in tail_ids], "ends": ends, "spill": spill}
+
+
+def _token_texts(tokenizer: Any) -> list[str]:
+    """Every token's text ("" for the special tokens: no slot text is one)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [
+        "" if i in special else tokenizer.decode([i], skip_special_tokens=False)
+        for i in range(len(tokenizer))
+    ]
+
+
+def _slot_entries(tokenizer: Any, head_ids: list[int], head: str) -> list[list[int]]:
+    """The spellings of a slot's head whose last token runs on into the slot's text: BPE merges the
+    head's last characters with the keywords after them (``search`` ``[mid`` ``century``, not ``search``
+    ``[`` ``mid``), and the policy learnt that spelling from its demonstrations. For each token boundary
+    of the head's own encoding, every token that starts with the rest of the head and goes on with text
+    without brackets."""
+    out: list[list[int]] = []
+    texts = _token_texts(tokenizer)
+    for k in range(len(head_ids)):
+        done = tokenizer.decode(head_ids[:k], skip_special_tokens=False)
+        if not head.startswith(done):
+            continue
+        rest = head[len(done) :]
+        for i, text in enumerate(texts):
+            more = text[len(rest) :]
+            if text.startswith(rest) and more and "[" not in more and "]" not in more:
+                out.append([*head_ids[:k], i])
+    return out
 
 
 class ActionGrammar:
@@ -175,6 +204,8 @@ class ActionGrammar:
                     )
                 if ids not in seqs:
                     seqs.append(ids)
+                if kind == "slot":
+                    seqs += [e for e in _slot_entries(tokenizer, ids, text) if e not in seqs]
             encoded[kind] = seqs
         self._build(encoded, max_actions, eos_id)
 

@@ -313,3 +313,26 @@ def test_a_slot_is_free_text_between_its_head_and_tail(policy):
         assert c.allowed() is None and not g.in_slot(c.state)
     rebuilt = ActionGrammar.from_spec(g.spec())
     assert rebuilt.spec() == g.spec() and rebuilt.tokens_to_end(rebuilt.start()) == shortest
+
+
+def test_a_slot_head_may_run_on_into_the_text_as_bpe_spells_it():
+    """A tokenizer that learnt ``[mid`` spells ``search[mid century]`` as ``search`` ``[mid`` ...: the policy
+    learnt that spelling, so the grammar allows it beside ``search`` ``[`` ``mid``."""
+    from ragen_core.models.policies import train_tokenizer
+
+    tok = train_tokenizer(["<answer>search[mid century stool]</answer> click[buy now]"] * 50, vocab_size=300)
+    answer = "search[mid century stool]</answer>"
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert "[mid" in [tok.decode([i]) for i in ids]  # the merge this test is about
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    g = ActionGrammar(tok, ["search[<content>]", "click[buy now]"], "||", 1, eos)
+    for spelling in (
+        ids,
+        [i for part in ("search", "[", "mid century stool]</answer>") for i in tok.encode(part)],
+    ):
+        c = AnswerConstraint(g, tok, in_answer=True, budget=40)
+        for i in spelling:
+            allowed = c.allowed()
+            assert allowed is None or i in allowed, tok.decode([i])
+            c.advance(i)
+        assert c.allowed() == (eos,)
