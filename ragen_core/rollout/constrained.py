@@ -119,7 +119,7 @@ def _slot_tail(actions: Sequence[str]) -> str | None:
     return tails.pop() if tails else None
 
 
-def _slot_tokens(tokenizer: Any, tail: str) -> dict[str, list[int]]:
+def _slot_tokens(tokenizer: Any, tail: str, texts: list[str]) -> dict[str, list[int]]:
     """The tokens that end a slot: ``tail`` (the tail's own spellings, forced at the budget's end),
     ``ends`` (every token whose text ends with the tail and holds it once, e.g. ``shampoo]``) and
     ``spill`` (tokens that hold the tail with more text after it, e.g. ``]</``)."""
@@ -135,7 +135,7 @@ def _slot_tokens(tokenizer: Any, tail: str) -> dict[str, list[int]]:
         )
     ends: list[int] = []
     spill: list[int] = []
-    for i, text in enumerate(_token_texts(tokenizer)):
+    for i, text in enumerate(texts):
         if tail in text:
             (ends if text.endswith(tail) and text.count(tail) == 1 else spill).append(i)
     return {"tail": [t for (t,) in tail_ids], "ends": ends, "spill": spill}
@@ -150,14 +150,13 @@ def _token_texts(tokenizer: Any) -> list[str]:
     ]
 
 
-def _slot_entries(tokenizer: Any, head_ids: list[int], head: str) -> list[list[int]]:
+def _slot_entries(tokenizer: Any, texts: list[str], head_ids: list[int], head: str) -> list[list[int]]:
     """The spellings of a slot's head whose last token runs on into the slot's text: BPE merges the
     head's last characters with the keywords after them (``search`` ``[mid`` ``century``, not ``search``
     ``[`` ``mid``), and the policy learnt that spelling from its demonstrations. For each token boundary
     of the head's own encoding, every token that starts with the rest of the head and goes on with text
     without brackets."""
     out: list[list[int]] = []
-    texts = _token_texts(tokenizer)
     for k in range(len(head_ids)):
         done = tokenizer.decode(head_ids[:k], skip_special_tokens=False)
         if not head.startswith(done):
@@ -190,8 +189,9 @@ class ActionGrammar:
         tail = _slot_tail(actions)
         texts = answer_spellings(actions, sep)
         encoded: dict[str, list[list[int]]] = {}
+        texts_of_ids = _token_texts(tokenizer) if tail is not None else []
         if tail is not None:
-            encoded.update({k: [v] for k, v in _slot_tokens(tokenizer, tail).items()})
+            encoded.update({k: [v] for k, v in _slot_tokens(tokenizer, tail, texts_of_ids).items()})
         for kind, spellings in texts.items():
             seqs = []
             for text in spellings:
@@ -205,7 +205,7 @@ class ActionGrammar:
                 if ids not in seqs:
                     seqs.append(ids)
                 if kind == "slot":
-                    seqs += [e for e in _slot_entries(tokenizer, ids, text) if e not in seqs]
+                    seqs += [e for e in _slot_entries(tokenizer, texts_of_ids, ids, text) if e not in seqs]
             encoded[kind] = seqs
         self._build(encoded, max_actions, eos_id)
 
