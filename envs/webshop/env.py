@@ -129,9 +129,7 @@ class WebShopEnv(Env):
         """The page's ``click[...]`` actions, spelt as this env accepts them; on the search page
         ``search[<content>]``, whose keywords are free text (a slot of the answer grammar), or ``None`` once
         the searches are used up (that turn's answer is free, and invalid whatever it says)."""
-        if self.state.kind == "search":
-            return [SEARCH_ACTION] if self._can_search() else None
-        return [f"click[{c}]" for c in clickables(self.state)] or None
+        return self.available_actions() or None
 
     def step(self, action: str) -> StepResult:
         parsed = self._parse(action)

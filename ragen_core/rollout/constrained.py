@@ -398,9 +398,8 @@ class AnswerConstraint:
             if g.in_slot(self.state) and self.left is not None and g.tokens_to_end(self.state) >= self.left:
                 return g.slot_tail()
             return None
-        got = self.grammar.allowed(self.state)
-        if self.left is not None and got and self.grammar.tokens_to_end(self.state) <= self.left:
-            g = self.grammar
+        got = g.allowed(self.state)
+        if self.left is not None and got and g.tokens_to_end(self.state) <= self.left:
             got = tuple(t for t in got if 1 + g.tokens_to_end(g.advance(self.state, t)) <= self.left)
         return got or None  # after the eos token: nothing constrains (generation has stopped)
 
