@@ -22,6 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+#: A free-text slot inside an answer action (WebShop's ``search[<content>]``): constrained decoding
+#: spells the text around it and samples the slot freely (ragen_core/rollout/constrained.py).
+ANSWER_SLOT = "<content>"
+
 
 class NoOracleError(NotImplementedError):
     """The environment has no oracle (it does not override :meth:`Env.oracle_actions`)."""
@@ -126,8 +130,8 @@ class Env(ABC):
     def answer_actions(self) -> list[str] | None:
         """The actions a constrained answer may spell in the current state (``agent.action_decoding:
         constrained``): ``actions``. An environment with :attr:`state_actions` returns the current state's
-        (WebShop: the shown page's clickables), or ``None`` where this state takes free text (WebShop's
-        search box), which leaves that turn's answer free."""
+        (WebShop: the shown page's clickables and ``search[<content>]``, whose :data:`ANSWER_SLOT` is free
+        text), or ``None`` where this state takes only free text, which leaves that turn's answer free."""
         return self.actions
 
     # Helpers for discrete-action subclasses -------------------------------------------------
@@ -156,6 +160,18 @@ def cell_label(index: int, ncol: int) -> str:
     """A grid cell as ``(row,col)`` (0-based) from its flat index: how think sentences name cells."""
     r, c = divmod(int(index), int(ncol))
     return f"({r},{c})"
+
+
+def separate_cells(grid: str, separator: str) -> str:
+    """``grid`` (rows joined by newlines) with ``separator`` between the cells of each row.
+
+    A BPE tokenizer merges runs of grid symbols (SmolLM2 reads ``GP__`` as ``GP`` + ``__``), so the
+    model cannot tell which column a symbol is in; ``"_ _ O G"`` is one token per cell. ``""``
+    keeps RAGEN's rendering (see docs/architecture.md, "Deliberate differences from RAGEN").
+    """
+    if not separator:
+        return grid
+    return "\n".join(separator.join(row) for row in grid.split("\n"))
 
 
 def format_reward(x: float) -> str:

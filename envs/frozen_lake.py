@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from envs.base import Env, StepResult, cell_label, invalid_step
+from envs.base import Env, StepResult, cell_label, invalid_step, separate_cells
 from envs.frozen_lake_maps import (
     DOWN,
     LEFT,
@@ -83,13 +83,16 @@ class FrozenLakeEnv(Env):
         desc: Sequence[str] | None = None,
         think_holes: bool = False,
         coordinates: bool = False,
+        cell_separator: str = "",
     ) -> None:
         """``map_seed`` fixes the map for every episode (``reset(seed)`` then only drives the slips);
         ``desc`` (rows of ``S``/``F``/``H``/``G``, exactly one ``S``) fixes a hand-made map. By default the
         map comes from the episode seed, as in RAGEN. ``think_holes`` adds the holes next to the player
         to the demonstrations' think text (:meth:`think_text`). ``coordinates`` adds the board's size and the
         goal's, the player's and the holes' (row, column) under the grid, as RAGEN's grid-plus-coordinates
-        observation does: a small language model reads a position more easily than a 2-D layout."""
+        observation does: a small language model reads a position more easily than a 2-D layout.
+        ``cell_separator`` goes between the cells of each row (``" "``: one token per cell for a BPE
+        tokenizer, which otherwise merges runs like ``GP__``); ``""`` is RAGEN's rendering."""
         if desc is not None:
             desc = [str(row) for row in desc]
             if len({len(row) for row in desc}) != 1 or "".join(desc).count("S") != 1:
@@ -104,6 +107,9 @@ class FrozenLakeEnv(Env):
         self.map_seed = map_seed
         self.think_holes = think_holes
         self.coordinates = coordinates
+        if not isinstance(cell_separator, str) or "\n" in cell_separator:
+            raise ValueError(f"cell_separator must be a string without newlines, got {cell_separator!r}")
+        self.cell_separator = cell_separator
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)
@@ -201,7 +207,7 @@ class FrozenLakeEnv(Env):
 
     def _observation(self, data: MapData, state: int) -> str:
         """The grid, and with ``coordinates`` the positions under it (zero-indexed (row, column))."""
-        grid = data.render(state)
+        grid = separate_cells(data.render(state), self.cell_separator)
         if not self.coordinates:
             return grid
         ncol = data.ncol

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, cell_label, invalid_step
+from envs.base import Env, StepResult, cell_label, invalid_step, separate_cells
 from envs.sokoban_solver import solve
 from envs.sokoban_state import (
     ACTIONS,
@@ -250,7 +250,10 @@ class SokobanEnv(Env):
         dim_x: int | None = None,
         dim_y: int | None = None,
         max_solution_length: int | None = None,
+        cell_separator: str = "",
     ) -> None:
+        """``cell_separator`` goes between the cells of each row (``" "``: one token per cell for a BPE
+        tokenizer, which otherwise merges runs like ``####``); ``""`` is RAGEN's rendering."""
         rows, cols = (int(d) for d in dim_room)
         self.dim_room: tuple[int, int] = (
             rows if dim_x is None else int(dim_x),
@@ -266,6 +269,9 @@ class SokobanEnv(Env):
         self.max_steps = int(max_steps)
         self.search_depth = int(search_depth)
         self.max_solution_length = max_solution_length
+        if not isinstance(cell_separator, str) or "\n" in cell_separator:
+            raise ValueError(f"cell_separator must be a string without newlines, got {cell_separator!r}")
+        self.cell_separator = cell_separator
         # YAML gives int keys, JSON str keys: accept both.
         lookup = {int(k): str(v) for k, v in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
         if sorted(lookup) != list(range(7)) or len(set(lookup.values())) != 7:
@@ -373,9 +379,10 @@ class SokobanEnv(Env):
 
     def render(self) -> str:
         self._require_room()
-        return render_room(
+        grid = render_room(
             self._height, self._width, self._floor, self._targets, self._boxes, self._player, self.grid_lookup
         )
+        return separate_cells(grid, self.cell_separator)
 
     # Oracle and demonstrations ------------------------------------------------------------------------
     def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:

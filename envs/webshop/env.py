@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from envs.base import Env, StepResult, invalid_step
+from envs.base import ANSWER_SLOT, Env, StepResult, invalid_step
 from envs.webshop.catalogue import Goal
 from envs.webshop.oracle import oracle_plan, oracle_think
 from envs.webshop.pages import BACK, BUY, NEXT, PREV, PageState, clickables, page_text
@@ -46,8 +46,8 @@ RENDER_INSTRUCTIONS: tuple[str, ...] = (
 )
 MAX_ACTION_CHARS = 1000
 #: RAGEN's listing of the search action; ``<content>`` is also the answer grammar's free-text slot
-#: (ragen_core/rollout/constrained.py), so constrained decoding spells ``search[`` and ``]`` around free keywords.
-SEARCH_ACTION = "search[<content>]"
+#: (envs.base.ANSWER_SLOT), so constrained decoding spells ``search[`` and ``]`` around free keywords.
+SEARCH_ACTION = f"search[{ANSWER_SLOT}]"
 _ACTION = re.compile(r"(search|click)\[(.*)\]", re.DOTALL)
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -260,7 +260,7 @@ def random_valid_action(env: WebShopEnv, rng: random.Random) -> str:
     if not acts:
         return "click[buy now]"
     a = rng.choice(acts)
-    if a == "search[<content>]":
+    if a == SEARCH_ACTION:
         words = (env.goal.instruction_text if env.goal else "shop").split()
         return "search[" + " ".join(rng.sample(words, min(len(words), rng.randint(1, 4)))) + "]"
     return a

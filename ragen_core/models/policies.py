@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from envs.base import ANSWER_SLOT
 from ragen_core.config.model import ModelConfig, ModelNotFoundError
 from ragen_core.protocol import (
     ProtocolConfig,
@@ -189,8 +190,7 @@ def _state_answer(env: Any, rng: random.Random, actions_left: int) -> list[str]:
         oracle = env.oracle_actions(actions_left, 1, 1)[:1]
     except NotImplementedError:
         oracle = []
-    # "<content>": a free-text slot (ragen_core.rollout.constrained.SLOT; models may not import rollout)
-    shown = [a for a in env.answer_actions() or [] if "<content>" not in a]
+    shown = [a for a in env.answer_actions() or [] if ANSWER_SLOT not in a]
     if shown and (not oracle or rng.random() < 0.5):
         return [rng.choice(shown)]
     return oracle or [str(rng.randint(1, 100))]

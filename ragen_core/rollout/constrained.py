@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from envs.base import ANSWER_SLOT as SLOT
 from ragen_core.errors import RagenError
 
 __all__ = [
@@ -53,8 +54,6 @@ __all__ = [
 #: The text that opens the answer span (the forced prefix when thinking is off).
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
-#: A free-text slot inside an action (``search[<content>]``), as WebShop lists it.
-SLOT = "<content>"
 #: State marks (the ``trie`` of a path) for the slot's free text and for an answer left free.
 _IN_SLOT, _FREE = -1, -2
 

@@ -217,3 +217,20 @@ def test_frozenlake_coordinates_name_the_goal_the_player_and_the_holes_under_the
     ]
     assert lake.step("Down").observation.endswith("Player: (1, 0)\nHoles: (0, 2), (1, 1)")
     assert "Player in hole: (1, 1)" in lake.step("Right").observation
+
+
+@pytest.mark.parametrize(
+    ("tag", "kwargs"),
+    [("FrozenLake", {"desc": ["SFH", "FHF", "FFG"], "is_slippery": False}), ("SimpleSokoban", {})],
+)
+def test_cell_separator_puts_one_between_the_cells_of_each_row_and_nothing_else_changes(tag, kwargs):
+    """``cell_separator: " "``: ``_ _ O`` rows (a BPE tokenizer merges ``__O``-like runs into tokens that hide
+    the columns); the default is RAGEN's rendering, and the dynamics are the same step for step."""
+    plain, spaced = envs.make(tag, **kwargs), envs.make(tag, cell_separator=" ", **kwargs)
+    for obs, spaced_obs in [(plain.reset(3), spaced.reset(3))] + [
+        (plain.step(a).observation, spaced.step(a).observation) for a in ("Down", "Right", "Up", "Left")
+    ]:
+        assert spaced_obs.splitlines() == [" ".join(row) for row in obs.splitlines()]
+        assert all(len(row) == 2 * len(obs.splitlines()[0]) - 1 for row in spaced_obs.splitlines())
+    with pytest.raises(ValueError, match="cell_separator"):
+        envs.make(tag, cell_separator="\n", **kwargs)
