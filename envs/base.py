@@ -167,7 +167,7 @@ def separate_cells(grid: str, separator: str) -> str:
 
     A BPE tokenizer merges runs of grid symbols (SmolLM2 reads ``GP__`` as ``GP`` + ``__``), so the
     model cannot tell which column a symbol is in; ``"_ _ O G"`` is one token per cell. ``""``
-    keeps RAGEN's rendering (see docs/architecture.md, "Deliberate differences from RAGEN").
+    keeps RAGEN's rendering (docs/environments.md, "Using one").
     """
     if not separator:
         return grid

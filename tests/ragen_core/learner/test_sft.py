@@ -19,7 +19,9 @@ from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.learner.sft import (
     build_demonstrations,
     demo_groups_config,
+    sft_loss,
     sft_progress_line,
+    shared_prefix_length,
     train_sft,
     warm_start,
 )
@@ -170,6 +172,46 @@ def test_demos_and_training_are_deterministic(policy, one_thread):
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == 4
     assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in init)
     assert not all(torch.equal(runs[0][1][k], init[k]) for k in init)
+
+
+def batch_of(demos, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = max(len(d.input_ids) for d in demos)
+    ids = torch.full((len(demos), n), pad_id)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
+    for r, d in enumerate(demos):
+        ids[r, : len(d.input_ids)] = torch.tensor(d.input_ids)
+        attn[r, : len(d.input_ids)] = 1
+        mask[r, : len(d.input_ids)] = torch.tensor(d.loss_mask, dtype=torch.bool)
+    return ids, attn, mask
+
+
+@pytest.mark.parametrize("tags", [["FrozenLake"], ["FrozenLake", "SimpleSokoban"]])
+def test_the_shared_prefix_gives_the_plain_loss_and_gradients(policy, one_thread, tags):
+    """``sft.shared_prefix``: the tokens every row starts with run once, their cache repeated over the
+    batch; loss and every gradient equal the plain pass's (float rounding apart), on multi-turn episodes
+    of one env and of two (whose shared prefix is shorter)."""
+    model, tok = policy
+    demos = build_demonstrations(tok, SFTConfig(tags=tags, episodes_per_tag=4), ProtocolConfig(max_turn=3))
+    ids, attn, mask = batch_of(demos, tok.pad_token_id)
+    p = shared_prefix_length(ids, attn, mask)
+    assert 8 <= p <= int(mask.long().argmax(dim=1).min()) - 1  # before the first trained token's input
+    assert torch.equal(ids[:, :p], ids[:1, :p].expand(len(demos), -1))
+    grads = []
+    for shared in (False, True):
+        model.zero_grad()
+        loss, n = sft_loss(model, ids, attn, mask, shared_prefix=shared)
+        loss.backward()
+        grads.append((loss.item(), n, {k: v.grad.clone() for k, v in model.named_parameters()}))
+    (plain, n0, g0), (fast, n1, g1) = grads
+    model.zero_grad()
+    assert n0 == n1 == int(mask[:, 1:].sum()) and abs(plain - fast) <= 1e-5 * plain
+    assert all(torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-6) for k in g0), max(
+        float((g0[k] - g1[k]).abs().max()) for k in g0
+    )
+    assert shared_prefix_length(ids[:1], attn[:1], mask[:1]) == 0  # one row: nothing to share
+    early = mask.clone()
+    early[:, 5] = True  # a trained token that early leaves no prefix worth sharing
+    assert shared_prefix_length(ids, attn, early) == 0
 
 
 def test_config_validation():
