@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragen_core.config import load_config
-from ragen_core.learner.sft import build_demonstrations, sft_loss, shared_prefix_length
+from ragen_core.learner.forward import shared_prefix_length
+from ragen_core.learner.sft import build_demonstrations, sft_loss
 from ragen_core.models.policies import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def main() -> None:
                 times[shared].append(runs[shared][0])
             loss_gap = max(loss_gap, abs(runs[True][1] - runs[False][1]))
             grad_gap = max(grad_gap, float((runs[True][2] - runs[False][2]).abs().max()))
-            p = shared_prefix_length(*batch)
+            p = shared_prefix_length(batch[0], batch[2], batch[1])
             print(
                 f"repeat {r} batch {b}: {tuple(batch[0].shape)} tokens, shared prefix {p}; "
                 f"plain {runs[False][0]:.2f} s, shared {runs[True][0]:.2f} s"

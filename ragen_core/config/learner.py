@@ -275,4 +275,11 @@ class LearnerConfig(BaseModel):
         description="bf16 autocast for forward passes on CPU (weights stay fp32): faster on CPUs with "
         "AVX512-BF16 or AMX, emulated and slower elsewhere (benchmarks/bf16.py measures both)",
     )
+    shared_prefix: bool = Field(
+        default=False,
+        description="run the tokens every row of a micro-batch starts with (system prompt, instruction) once "
+        "and reuse their key/value cache in the policy's forward passes: the same log-probs and gradients up "
+        "to float rounding, faster on long shared prompts (Qwen2/Qwen3/Llama/Mistral; others ignore it). Off "
+        "by default so that stored runs of existing configs rerun bit for bit",
+    )
     seed: int = Field(default=0, description="seeds the critic head's initialisation and the shuffle")

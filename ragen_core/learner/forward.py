@@ -9,10 +9,11 @@ position t, and position 0 (nothing before it) is never trained.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StepTensors",
+    "decoder_hidden",
     "infer_rows",
     "prompt_response_rows",
+    "shared_prefix_length",
     "to_targets",
     "token_logprobs",
     "token_values",
@@ -74,6 +77,60 @@ def to_targets(per_position: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
 
 
+#: a shared prefix shorter than this is not worth a second forward pass
+MIN_SHARED_PREFIX = 8
+
+
+def shared_prefix_length(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> int:
+    """How many leading tokens :func:`decoder_hidden` may run once for the whole batch: the tokens equal
+    (and attended, given ``attention_mask``) in every row, up to the first position whose hidden state
+    a trained token needs (those come out of the second pass); 0 for a single row or a prefix under
+    ``MIN_SHARED_PREFIX`` tokens (nothing to gain)."""
+    if input_ids.shape[0] < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(dim=0)
+    if attention_mask is not None:
+        same &= (attention_mask == 1).all(dim=0)
+    p = int(same.long().cumprod(dim=0).sum())
+    needed = loss_mask[:, 1:].any(dim=0).nonzero()
+    if len(needed):
+        p = min(p, int(needed[0]))
+    return p if p >= MIN_SHARED_PREFIX else 0
+
+
+def decoder_hidden(
+    decoder: Any, input_ids: torch.Tensor, prefix: int = 0, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The decoder's last hidden states at positions ``prefix`` .. L - 1, shape (b, L - prefix, h).
+
+    ``prefix`` > 0 (:func:`shared_prefix_length`): the first ``prefix`` tokens, the same in every row (a
+    multi-turn batch's system prompt and instruction), run once; their key/value cache is repeated over
+    the rows and the rest runs on top of it. Gradients flow through the cache into that pass, so the
+    states and their gradients are the plain pass's up to float rounding, for about the cost of the
+    rows' own tokens.
+    """
+    if prefix == 0:
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    from transformers import DynamicCache
+
+    # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache``
+    cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=decoder.config)
+    decoder(input_ids=input_ids[:1, :prefix], use_cache=True, **{cache_kw: cache})
+    cache.batch_repeat_interleave(input_ids.shape[0])
+    positions = torch.arange(prefix, input_ids.shape[1], device=input_ids.device)
+    hidden: torch.Tensor = decoder(
+        input_ids=input_ids[:, prefix:],
+        attention_mask=attention_mask,
+        position_ids=positions.expand(input_ids.shape[0], -1),
+        use_cache=True,
+        **{cache_kw: cache},
+    ).last_hidden_state
+    return hidden
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -82,6 +139,7 @@ def token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     allowed: torch.Tensor | None = None,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
 
@@ -93,13 +151,15 @@ def token_logprobs(
     the softmax run only on the trained positions (environment and prompt tokens need no
     vocabulary distribution); other models compute full logits. The entropy comes from the same
     log-softmax, H = -sum_v p_v log p_v (equal to ``algorithms.entropy_from_logits``, sharing the
-    log-softmax's backward). The forward pass runs inside ``autocast``.
+    log-softmax's backward). The forward pass runs inside ``autocast``; with ``shared_prefix`` (those
+    families only) the rows' common leading tokens run once (:func:`decoder_hidden`).
     """
     targets = mask[:, 1:]
     with autocast:
         if _model_type(model) in _HEAD_ONLY_ON_MASK:
-            hidden = backbone(model)(input_ids=input_ids, use_cache=False).last_hidden_state
-            logits = cast("PreTrainedModel", model).get_output_embeddings()(hidden[:, :-1][targets])
+            p = shared_prefix_length(input_ids, mask) if shared_prefix else 0
+            hidden = decoder_hidden(backbone(model), input_ids, p)
+            logits = cast("PreTrainedModel", model).get_output_embeddings()(hidden[:, :-1][targets[:, p:]])
         else:
             logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1][targets]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -31,7 +31,6 @@ The demonstrations are written in the agent protocol the caller passes (the pipe
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import random
@@ -48,6 +47,7 @@ from envs.base import Env
 from envs.oracles import oracle_actions
 from ragen_core.config.sft import SFTConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.learner.forward import decoder_hidden, shared_prefix_length
 from ragen_core.progress import duration, progress_log
 from ragen_core.protocol import ProtocolConfig, build_messages, forced_prefix
 from ragen_core.rollout.runner import Segments, _Turn
@@ -57,7 +57,6 @@ __all__ = [
     "build_demonstrations",
     "demo_groups_config",
     "sft_loss",
-    "shared_prefix_length",
     "train_sft",
     "warm_start",
 ]
@@ -250,52 +249,17 @@ def sft_loss(
     """Token-mean cross-entropy of the tokens where ``loss_mask`` is 1, each predicted from its prefix.
 
     Only the hidden states that predict a trained token go through the LM head (the vocabulary
-    projection of the prompt positions is never computed). With ``shared_prefix`` the first
-    :func:`shared_prefix_length` tokens, the same in every row, run once and their key/value cache is
-    repeated over the batch; the rest runs on top of it. Gradients flow through the cache into the
-    prefix pass, so loss and gradients equal the plain computation's up to float rounding.
-    Returns ``(loss, n_tokens)``.
+    projection of the prompt positions is never computed). With ``shared_prefix`` the leading tokens
+    every row shares run once (:func:`~ragen_core.learner.forward.decoder_hidden`: same loss and
+    gradients up to float rounding). Returns ``(loss, n_tokens)``.
     """
     targets = loss_mask[:, 1:]
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    p = shared_prefix_length(input_ids, attention_mask, loss_mask) if shared_prefix else 0
-    if p == 0:
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    else:
-        from transformers import DynamicCache
-
-        # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache``
-        cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-        cache = DynamicCache(config=base.config)
-        base(input_ids=input_ids[:1, :p], use_cache=True, **{cache_kw: cache})
-        cache.batch_repeat_interleave(input_ids.shape[0])
-        hidden = base(
-            input_ids=input_ids[:, p:],
-            attention_mask=attention_mask,
-            position_ids=torch.arange(p, input_ids.shape[1]).expand(input_ids.shape[0], -1),
-            use_cache=True,
-            **{cache_kw: cache},
-        ).last_hidden_state
-    h = hidden[:, :-1][targets[:, p:]]
-    logits = model.lm_head(h).float()
+    p = shared_prefix_length(input_ids, loss_mask, attention_mask) if shared_prefix else 0
+    hidden = decoder_hidden(base, input_ids, p, attention_mask)
+    logits = model.lm_head(hidden[:, :-1][targets[:, p:]]).float()
     y = input_ids[:, 1:][targets]
     return torch.nn.functional.cross_entropy(logits, y), int(y.numel())
-
-
-def shared_prefix_length(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-) -> int:
-    """How many leading tokens :func:`sft_loss` may run once for the whole batch: the tokens equal (and
-    attended) in every row, stopping where the first hidden state a trained token needs would be (those
-    come out of the second pass), and 0 for a single row or a prefix under 8 tokens (nothing to gain)."""
-    if input_ids.shape[0] < 2:
-        return 0
-    same = ((input_ids == input_ids[:1]) & (attention_mask == 1)).all(dim=0)
-    p = int(same.long().cumprod(dim=0).sum())
-    needed = loss_mask[:, 1:].any(dim=0).nonzero()
-    if len(needed):
-        p = min(p, int(needed[0]))
-    return p if p >= 8 else 0
 
 
 def _lr_factor(step: int, cfg: SFTConfig) -> float:

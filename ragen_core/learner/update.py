@@ -210,7 +210,16 @@ class Learner:
         allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward.token_logprobs`` of ``model`` under this learner's autocast."""
-        return token_logprobs(model, input_ids, mask, self._autocast(), with_entropy, entropy_grad, allowed)
+        return token_logprobs(
+            model,
+            input_ids,
+            mask,
+            self._autocast(),
+            with_entropy,
+            entropy_grad,
+            allowed,
+            shared_prefix=self.cfg.shared_prefix,
+        )
 
     def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self.critic is not None

@@ -15,6 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ragen_core.algorithms import entropy_from_logits, filter_rollouts
 from ragen_core.config.learner import AlgorithmConfig, LearnerConfig, OptimConfig
 from ragen_core.learner.batch import BadBatchError, TokenBatch
+from ragen_core.learner.forward import shared_prefix_length
 from ragen_core.learner.update import Learner
 
 VOCAB = 16
@@ -193,6 +194,59 @@ def test_logprobs_and_entropy_match_full_logits():
     assert torch.allclose(logp[:, 1:][on], full_logp[on], atol=1e-12)
     assert torch.allclose(entropy[:, 1:][on], full_entropy[on], atol=1e-12)
     assert bool((logp[:, 1:][~on] == 0).all()) and bool((logp[:, 0] == 0).all())
+
+
+def shared_prompt_batch(n: int = 8, seed: int = 0, prompt: int = 12) -> TokenBatch:
+    """``random_batch``'s layout behind a ``prompt``-token opening every row shares (system prompt and
+    instruction), and with a second prompt row that shares only part of it."""
+    b = random_batch(n, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    head = torch.randint(1, VOCAB, (prompt,), generator=g).expand(n, -1).clone()
+    head[n // 2 :, prompt - 2 :] = head[n // 2 :, prompt - 2 :] % (VOCAB - 1) + 1  # the second half's instruction ends differently
+    ones = torch.ones(n, prompt, dtype=torch.long)
+
+    def cat(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        return torch.cat([first.to(x.dtype), x], dim=1)
+
+    return TokenBatch(
+        input_ids=cat(b.input_ids, head),
+        attention_mask=cat(b.attention_mask, ones),
+        loss_mask=cat(b.loss_mask, 0 * ones),
+        turn_index=cat(b.turn_index, 0 * ones),
+        rollout_logprobs=cat(b.rollout_logprobs, 0 * ones),
+        scores=b.scores,
+        group_ids=b.group_ids,
+    )
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_shared_prefix_gives_the_same_step(estimator):
+    """``learner.shared_prefix``: each micro-batch's common opening runs once and its cache is repeated
+    over the rows; weights and metrics after a step (entropy, KL, two mini-batches) equal the plain
+    step's up to float32 rounding: Qwen2's RMSNorm computes in float32 even in a float64 model, and the
+    shared rows' gradients reach it summed, where the plain pass sums them later (log-probs and entropies
+    themselves come out bitwise equal)."""
+    batch = shared_prompt_batch(8, seed=2)
+    mask = batch.loss_mask != 0
+    assert shared_prefix_length(batch.input_ids[:4], mask[:4]) == 12
+    assert shared_prefix_length(batch.input_ids, mask) == 10  # where the two halves part
+    results = []
+    for shared in (False, True):
+        cfg = make_cfg(
+            adv_estimator=estimator,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            entropy_coeff=0.01,
+            optim={"mini_batch_size": 4, "micro_batch_size": 4},
+        ).model_copy(update={"shared_prefix": shared})
+        learner = Learner(tiny_policy(dtype=torch.float64), cfg)
+        metrics = learner.step(batch)
+        results.append((weights(learner.policy), metrics))
+    (w_plain, m_plain), (w_shared, m_shared) = results
+    assert max_diff(w_plain, w_shared) < 1e-6
+    assert max_diff(w_plain, weights(tiny_policy(dtype=torch.float64))) > 1e-4
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl"):
+        assert m_shared[key] == pytest.approx(m_plain[key], rel=1e-6, abs=1e-9), key
 
 
 def test_bf16_autocast_on_cpu_is_opt_in_and_close_to_float32():

@@ -16,12 +16,12 @@ from ragen_core.config import load_config
 from ragen_core.config.model import ModelConfig
 from ragen_core.config.sft import SFTConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.learner.forward import shared_prefix_length
 from ragen_core.learner.sft import (
     build_demonstrations,
     demo_groups_config,
     sft_loss,
     sft_progress_line,
-    shared_prefix_length,
     train_sft,
     warm_start,
 )
@@ -193,7 +193,7 @@ def test_the_shared_prefix_gives_the_plain_loss_and_gradients(policy, one_thread
     model, tok = policy
     demos = build_demonstrations(tok, SFTConfig(tags=tags, episodes_per_tag=4), ProtocolConfig(max_turn=3))
     ids, attn, mask = batch_of(demos, tok.pad_token_id)
-    p = shared_prefix_length(ids, attn, mask)
+    p = shared_prefix_length(ids, mask, attn)
     assert 8 <= p <= int(mask.long().argmax(dim=1).min()) - 1  # before the first trained token's input
     assert torch.equal(ids[:, :p], ids[:1, :p].expand(len(demos), -1))
     grads = []
@@ -208,10 +208,10 @@ def test_the_shared_prefix_gives_the_plain_loss_and_gradients(policy, one_thread
     assert all(torch.allclose(g0[k], g1[k], rtol=1e-4, atol=1e-6) for k in g0), max(
         float((g0[k] - g1[k]).abs().max()) for k in g0
     )
-    assert shared_prefix_length(ids[:1], attn[:1], mask[:1]) == 0  # one row: nothing to share
+    assert shared_prefix_length(ids[:1], mask[:1], attn[:1]) == 0  # one row: nothing to share
     early = mask.clone()
     early[:, 5] = True  # a trained token that early leaves no prefix worth sharing
-    assert shared_prefix_length(ids, attn, early) == 0
+    assert shared_prefix_length(ids, early, attn) == 0
 
 
 def test_config_validation():
