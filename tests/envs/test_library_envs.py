@@ -21,7 +21,7 @@ from envs.oracles import oracle_actions
 from tests.envs.test_env_hooks import record
 
 RG_TAGS = ["RG-Arithmetic", "RG-Countdown", "RG-MiniSudoku"]
-TA_TAGS = ["TA-2048", "TA-2048-16", "TA-GuessTheNumber"]
+TA_TAGS = ["TA-2048", "TA-2048-16", "TA-GuessTheNumber", "TA-GuessTheNumber-15"]
 SUMS = {
     "config": {
         "min_terms": 2,
@@ -310,6 +310,32 @@ def test_ta_free_text_game_binary_search_wins(ta: None) -> None:
     assert r.info["action_is_valid"]
     r = env.step("x" * 2000)
     assert not r.info["action_is_valid"] and r.reward == 0.0
+
+
+def test_ta_guess_15_binary_search_wins_in_4_and_bad_guesses_do_not_raise(ta: None) -> None:
+    """TA-GuessTheNumber-15 (configs/textarena-guess-tiny.yaml): 1-15 in 4 guesses; binary search always wins."""
+    env = envs.make("TA-GuessTheNumber-15")
+    for seed in range(100):
+        env.reset(seed)
+        for turn in range(4):
+            (guess,) = oracle_actions(env, 4 - turn, 1, 4 - turn)
+            assert 1 <= int(guess) <= 15
+            r = env.step(guess)
+            if r.done:
+                break
+        assert r.done and r.info["success"] and r.reward == 1.0, seed
+    # textarena ends the game on the guess after its max_turns-th: max_turns 3 is 4 guesses, so a lost
+    # game ends on the 4th with the game's partial credit (the last guess's closeness), not at 0 by budget
+    env.reset(0)
+    target = env.game.state.game_state["game_number"]  # type: ignore[attr-defined]
+    wrong = [str(n) for n in range(1, 16) if n != target][:4]
+    results = [env.step(g) for g in wrong]
+    assert [r.done for r in results] == [False, False, False, True]
+    assert results[-1].reward == 1 - abs(int(wrong[-1]) - target) / 14 and not results[-1].info["success"]
+    for junk in ["0", "16", "-3", "abc", "", "7.5", "x" * 2000]:
+        env.reset(1)
+        r = env.step(junk)  # out of range or malformed: invalid, no reward, no exception
+        assert not r.info["action_is_valid"] and r.reward == 0.0 and not r.info["success"], junk
 
 
 def test_ta_bad_settings_are_named(ta: None) -> None:
