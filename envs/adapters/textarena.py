@@ -88,7 +88,10 @@ class TextArenaEnv(Env):
         game_kwargs: dict[str, Any] | None = None,
         actions: list[str] | None = None,
         include_prompt: bool = False,
+        binary_reward: bool = False,
     ) -> None:
+        """``binary_reward``: 1.0 for a win, else 0, instead of the game's own reward (GuessTheNumber pays a
+        lost game its last guess's closeness, so a near miss is worth almost a win)."""
         ta = import_library("textarena", "textarena", self.env_type)
         registry = ta.envs.registration.ENV_REGISTRY
         if env_id not in registry:
@@ -110,6 +113,7 @@ class TextArenaEnv(Env):
         self._ta = ta
         self.env_id = env_id
         self.include_prompt = bool(include_prompt)
+        self.binary_reward = bool(binary_reward)
         self.actions = list(actions) if actions else None
         self._last_move: str | None = None
         self._rng_state: Any = random.Random(0).getstate()
@@ -194,8 +198,11 @@ class TextArenaEnv(Env):
         self._observation = text or self._observation
         if not invalid:
             self._last_move = move.strip("[]")
+        success = bool(done and reward >= 1.0)
+        if self.binary_reward:
+            reward = float(success)
         info = {
-            "success": bool(done and reward >= 1.0),
+            "success": success,
             "action_is_valid": not invalid,
             "action_is_effective": not invalid,
         }

@@ -332,6 +332,13 @@ def test_ta_guess_15_binary_search_wins_in_4_and_bad_guesses_do_not_raise(ta: No
     results = [env.step(g) for g in wrong]
     assert [r.done for r in results] == [False, False, False, True]
     assert results[-1].reward == 1 - abs(int(wrong[-1]) - target) / 14 and not results[-1].info["success"]
+    # binary_reward: the same game pays 0 for the loss and 1.0 for a win
+    binary = envs.make("TA-GuessTheNumber-15", binary_reward=True)
+    binary.reset(0)
+    assert [binary.step(g).reward for g in wrong] == [0.0, 0.0, 0.0, 0.0]
+    binary.reset(0)
+    won = binary.step(str(target))
+    assert won.done and won.info["success"] and won.reward == 1.0
     for junk in ["0", "16", "-3", "abc", "", "7.5", "x" * 2000]:
         env.reset(1)
         r = env.step(junk)  # out of range or malformed: invalid, no reward, no exception
