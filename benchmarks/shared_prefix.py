@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ragen_core.config import load_config
 from ragen_core.learner.batch import TokenBatch
 from ragen_core.learner.forward import shared_prefix_length
-from ragen_core.learner.sft import build_demonstrations, sft_loss
+from ragen_core.learner.sft import build_demonstrations, pad_batch, sft_loss
 from ragen_core.learner.update import Learner
 from ragen_core.models.policies import load_policy
 
@@ -45,17 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / ".state" / "models" / "smollm2-135m-instruct"
 TARGET = 1.5
 LEARNER_TARGET = 1.3  # the update also runs the optimizer, and its rows' own tokens are more of it
-
-
-def batch_of(demos, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = max(len(d.input_ids) for d in demos)
-    ids = torch.full((len(demos), n), pad_id)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
-    for r, d in enumerate(demos):
-        ids[r, : len(d.input_ids)] = torch.tensor(d.input_ids)
-        attn[r, : len(d.input_ids)] = 1
-        mask[r, : len(d.input_ids)] = torch.tensor(d.loss_mask, dtype=torch.bool)
-    return ids, attn, mask
 
 
 def step(model, batch, shared: bool) -> tuple[float, float, torch.Tensor]:
@@ -71,7 +60,7 @@ def step(model, batch, shared: bool) -> tuple[float, float, torch.Tensor]:
 
 def token_batch(demos, seed: int) -> TokenBatch:
     """The demonstrations as GRPO trajectories: groups of 4, random scores, behaviour log-probs 0."""
-    ids, attn, mask = batch_of(demos, 0)
+    ids, attn, mask = pad_batch(demos, 0)
     g = torch.Generator().manual_seed(seed)
     return TokenBatch(
         input_ids=ids,
@@ -154,7 +143,7 @@ def main() -> None:
     sft = cfg.sft.model_copy(update={"episodes_per_tag": max(size * args.batches, args.rows)})
     demos = build_demonstrations(tok, sft, cfg.agent)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    batches = [batch_of(demos[i : i + size], pad) for i in range(0, len(demos), size)][: args.batches]
+    batches = [pad_batch(demos[i : i + size], pad) for i in range(0, len(demos), size)][: args.batches]
     ratio = None if args.skip_sft else sft_steps(model, batches, args.repeats)
     del model
     learner_ratio = learner_steps(cfg, args.model, demos[: args.rows], args.repeats)

@@ -56,6 +56,7 @@ __all__ = [
     "Demo",
     "build_demonstrations",
     "demo_groups_config",
+    "pad_batch",
     "sft_loss",
     "train_sft",
     "warm_start",
@@ -210,7 +211,7 @@ def _sequences(
 # --------------------------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------------------------
-def _pad_batch(demos: Sequence[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(demos: Sequence[Demo], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``loss_mask`` (positions start at 0 per row)."""
     n = max(d.num_tokens for d in demos)
     ids = torch.full((len(demos), n), pad_id, dtype=torch.long)
@@ -359,7 +360,7 @@ def _train_steps(
         if not order:
             order = _epoch_batches(demos, cfg.batch_size, order_rng)
         batch = [demos[k] for k in order.pop()]
-        ids, attn, mask = _pad_batch(batch, pad_id)
+        ids, attn, mask = pad_batch(batch, pad_id)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * _lr_factor(step, cfg)
         loss, n = sft_loss(model, ids, attn, mask, shared_prefix=cfg.shared_prefix)

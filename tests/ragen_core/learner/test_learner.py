@@ -202,7 +202,9 @@ def shared_prompt_batch(n: int = 8, seed: int = 0, prompt: int = 12) -> TokenBat
     b = random_batch(n, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     head = torch.randint(1, VOCAB, (prompt,), generator=g).expand(n, -1).clone()
-    head[n // 2 :, prompt - 2 :] = head[n // 2 :, prompt - 2 :] % (VOCAB - 1) + 1  # the second half's instruction ends differently
+    head[n // 2 :, prompt - 2 :] = (
+        head[n // 2 :, prompt - 2 :] % (VOCAB - 1) + 1
+    )  # the second half's instruction ends differently
     ones = torch.ones(n, prompt, dtype=torch.long)
 
     def cat(x: torch.Tensor, first: torch.Tensor) -> torch.Tensor:

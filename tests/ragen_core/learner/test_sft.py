@@ -20,6 +20,7 @@ from ragen_core.learner.forward import shared_prefix_length
 from ragen_core.learner.sft import (
     build_demonstrations,
     demo_groups_config,
+    pad_batch,
     sft_loss,
     sft_progress_line,
     train_sft,
@@ -174,17 +175,6 @@ def test_demos_and_training_are_deterministic(policy, one_thread):
     assert not all(torch.equal(runs[0][1][k], init[k]) for k in init)
 
 
-def batch_of(demos, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n = max(len(d.input_ids) for d in demos)
-    ids = torch.full((len(demos), n), pad_id)
-    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids, dtype=torch.bool)
-    for r, d in enumerate(demos):
-        ids[r, : len(d.input_ids)] = torch.tensor(d.input_ids)
-        attn[r, : len(d.input_ids)] = 1
-        mask[r, : len(d.input_ids)] = torch.tensor(d.loss_mask, dtype=torch.bool)
-    return ids, attn, mask
-
-
 @pytest.mark.parametrize("tags", [["FrozenLake"], ["FrozenLake", "SimpleSokoban"]])
 def test_the_shared_prefix_gives_the_plain_loss_and_gradients(policy, one_thread, tags):
     """``sft.shared_prefix``: the tokens every row starts with run once, their cache repeated over the
@@ -192,7 +182,7 @@ def test_the_shared_prefix_gives_the_plain_loss_and_gradients(policy, one_thread
     of one env and of two (whose shared prefix is shorter)."""
     model, tok = policy
     demos = build_demonstrations(tok, SFTConfig(tags=tags, episodes_per_tag=4), ProtocolConfig(max_turn=3))
-    ids, attn, mask = batch_of(demos, tok.pad_token_id)
+    ids, attn, mask = pad_batch(demos, tok.pad_token_id)
     p = shared_prefix_length(ids, mask, attn)
     assert 8 <= p <= int(mask.long().argmax(dim=1).min()) - 1  # before the first trained token's input
     assert torch.equal(ids[:, :p], ids[:1, :p].expand(len(demos), -1))
