@@ -112,7 +112,10 @@ def decoder_hidden(
     rows' own tokens.
     """
     if prefix == 0:
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        plain: torch.Tensor = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        return plain
     from transformers import DynamicCache
 
     # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache``
