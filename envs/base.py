@@ -162,6 +162,13 @@ def cell_label(index: int, ncol: int) -> str:
     return f"({r},{c})"
 
 
+def cell_separator_setting(separator: Any) -> str:
+    """``separator`` checked as a grid env's ``cell_separator`` setting (:func:`separate_cells`)."""
+    if not isinstance(separator, str) or "\n" in separator:
+        raise ValueError(f"cell_separator must be a string without newlines, got {separator!r}")
+    return separator
+
+
 def separate_cells(grid: str, separator: str) -> str:
     """``grid`` (rows joined by newlines) with ``separator`` between the cells of each row.
 

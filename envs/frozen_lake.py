@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from envs.base import Env, StepResult, cell_label, invalid_step, separate_cells
+from envs.base import Env, StepResult, cell_label, cell_separator_setting, invalid_step, separate_cells
 from envs.frozen_lake_maps import (
     DOWN,
     LEFT,
@@ -107,9 +107,7 @@ class FrozenLakeEnv(Env):
         self.map_seed = map_seed
         self.think_holes = think_holes
         self.coordinates = coordinates
-        if not isinstance(cell_separator, str) or "\n" in cell_separator:
-            raise ValueError(f"cell_separator must be a string without newlines, got {cell_separator!r}")
-        self.cell_separator = cell_separator
+        self.cell_separator = cell_separator_setting(cell_separator)
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)

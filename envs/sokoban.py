@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, cell_label, invalid_step, separate_cells
+from envs.base import Env, StepResult, cell_label, cell_separator_setting, invalid_step, separate_cells
 from envs.sokoban_solver import solve
 from envs.sokoban_state import (
     ACTIONS,
@@ -269,9 +269,7 @@ class SokobanEnv(Env):
         self.max_steps = int(max_steps)
         self.search_depth = int(search_depth)
         self.max_solution_length = max_solution_length
-        if not isinstance(cell_separator, str) or "\n" in cell_separator:
-            raise ValueError(f"cell_separator must be a string without newlines, got {cell_separator!r}")
-        self.cell_separator = cell_separator
+        self.cell_separator = cell_separator_setting(cell_separator)
         # YAML gives int keys, JSON str keys: accept both.
         lookup = {int(k): str(v) for k, v in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
         if sorted(lookup) != list(range(7)) or len(set(lookup.values())) != 7:
