@@ -9,7 +9,6 @@ position t, and position 0 (nothing before it) is never trained.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from torch import nn
 from ragen_core.algorithms import restrict_to_allowed
 from ragen_core.learner.critic import ValueModel, backbone
 from ragen_core.learner.parallel import split
+from ragen_core.models.policies import cache_kwarg
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -118,8 +118,7 @@ def decoder_hidden(
         return plain
     from transformers import DynamicCache
 
-    # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache``
-    cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg(decoder)
     cache = DynamicCache(config=decoder.config)
     decoder(input_ids=input_ids[:1, :prefix], use_cache=True, **{cache_kw: cache})
     cache.batch_repeat_interleave(input_ids.shape[0])

@@ -24,6 +24,7 @@ are decoded before parsing.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -85,6 +86,12 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPES[dtype.lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def cache_kwarg(module: Any) -> str:
+    """The name under which ``module.forward`` takes a key/value cache: transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (most models), older versions and some models keep the old name."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 # --------------------------------------------------------------------------------------------

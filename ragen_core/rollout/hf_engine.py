@@ -29,12 +29,12 @@ control (the log-prob convention of :mod:`ragen_core.rollout.engine`):
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ragen_core.models.policies import cache_kwarg
 from ragen_core.rollout.engine import (
     FinishReason,
     Generation,
@@ -99,9 +99,7 @@ class HFEngine(RolloutEngine):
         #: about how many (padded) prompt tokens one prefill forward pass takes; see :meth:`_prefill`
         self.prefill_tokens = int(prefill_tokens)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        # transformers 5.24 renamed the forward kwarg ``past_key_values`` to ``cache`` (most models)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_kwarg(model)
         #: kept sequences (token ids -> their keys/values) while :meth:`conversations` is open
         self._kept: dict[tuple[int, ...], KeptKV] | None = None
         #: prompt tokens prefilled and reused from kept sequences (for benchmarks and tests)
