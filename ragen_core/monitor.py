@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
@@ -194,6 +194,11 @@ class Signal:
             reference=float(d["reference"]),
             message=str(d["message"]),
         )
+
+
+def signal_metrics(signals: Sequence[Signal]) -> dict[str, float]:
+    """The metrics a step logs for the signals that fired at it: ``monitor/<name>`` = 1."""
+    return {f"monitor/{s.name}": 1.0 for s in signals}
 
 
 class _Edge:

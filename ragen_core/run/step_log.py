@@ -80,7 +80,16 @@ class StepLogger:
             tracker.log_artifact(run.eval_file(k), "eval")
             if k == self.iterations:  # every validation episode of the final step as a trace
                 tracker.log_episode_traces(run.eval_file(k), k, None)
-        tracker.log_iteration(k, dict(metrics))
+        tracker.log_iteration(k, dict(metrics), timestamp_ms=self._step_time_ms(k))
+
+    def _step_time_ms(self, k: int) -> int | None:
+        """Step ``k``'s time: when its metrics file was written (never rewritten: history is appended),
+        so every try of the step sends the same points (see ``Tracker.log_iteration``)."""
+        path = self.run.metrics_file(k) if k > 0 else self.run.eval_metrics_file(0)
+        try:
+            return int(path.stat().st_mtime * 1000)
+        except OSError:
+            return None
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self.tracker.set_tags(tags)

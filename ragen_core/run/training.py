@@ -33,7 +33,7 @@ from ragen_core.config import DEFAULT_CONFIG, RagenConfig, config_hash, dump_con
 from ragen_core.errors import ray_actor_lost
 from ragen_core.integrity import record
 from ragen_core.models.provenance import model_provenance
-from ragen_core.monitor import EchoTrapMonitor, Signal
+from ragen_core.monitor import EchoTrapMonitor, Signal, signal_metrics
 from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.run.lineage import SystemMetrics, log_lineage
 from ragen_core.run.log_process import open_step_log, wait_for_earlier_logging
@@ -249,7 +249,7 @@ class Training:
             self._step_zero(run.read_json(run.eval_metrics_file(0)))
         for k in range(1, last + 1):
             metrics = run.read_json(run.metrics_file(k))
-            self.monitor.update(k, metrics)
+            metrics.update(signal_metrics(self.monitor.update(k, metrics)))  # as the loop logged them
             if (to := run.rolled_back_to(k)) is not None:
                 self.monitor.reset_to(to)
             self.step_logger.log_step(k, self._tracked(metrics))
@@ -327,7 +327,7 @@ class Training:
         signals = self.monitor.update(k, metrics)
         if signals:
             self._signal(k, signals)
-            metrics.update({f"monitor/{s.name}": 1.0 for s in signals})
+            metrics.update(signal_metrics(signals))
         self._queue("log_step", k, self._tracked(metrics))
         total = self.cfg.trainer.iterations
         line = iteration_line(k, total, metrics, self.clock.lap(), self.clock.eta(k))

@@ -377,16 +377,21 @@ class Tracker:
             self.offline = state.offline  # the other Tracker has warned already
 
     # ------------------------------------------------------------------ metrics, tags
-    def log_iteration(self, step: int, metrics: Mapping[str, Any]) -> bool:
+    def log_iteration(self, step: int, metrics: Mapping[str, Any], timestamp_ms: int | None = None) -> bool:
         """Log one iteration's metrics at ``step`` in one ``log_batch``; False (and nothing logged)
-        when this run already has iteration ``step``."""
+        when this run already has iteration ``step``.
+
+        ``timestamp_ms`` (default: now) should be the step's own time, the same on every try: a server
+        lost after it stored the metrics but before the step's marker (MLflow's SQL store commits the
+        two apart) leaves the step unmarked, and a resume sends it again; MLflow's store drops a metric
+        point equal to one it has (key, value, step and timestamp), so the retry adds no duplicate."""
         from mlflow.entities import Metric, RunTag
 
         run_id = self._require_run()
         step = int(step)
         if step in self._logged_steps or self.offline is not None:
             return False
-        ts = int(time.time() * 1000)
+        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         values: dict[str, float] = {}
         origin: dict[str, str] = {}
         skipped: list[str] = []

@@ -5,6 +5,7 @@ killed training process's logging process finishes what it received while a resu
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 from ragen_core.config.tracking import TrackingConfig
@@ -234,3 +236,31 @@ def test_background_mode_reads_the_old_bools() -> None:
     assert TrackingConfig(background="thread").background == "thread"
     with pytest.raises(ValueError, match="background"):
         TrackingConfig(background="subprocess")
+
+
+def test_a_step_whose_marker_was_lost_is_logged_again_without_a_duplicate_point(
+    state_dir: Path, tmp_path: Path
+) -> None:
+    """A tracking server that dies between committing a step's metrics and its marker (MLflow's SQL store
+    commits them apart) leaves the step unmarked: the resume logs it again. The points carry the step's
+    own time (its metrics file's), so the store keeps one point per step, not two."""
+    tracker, logger = started(state_dir, tmp_path, "lost-marker")
+    run_id = tracker.run_id
+    assert run_id is not None
+    metrics = {"a": 2.0, "b": 0.5}
+    logger.run.iter_dir(2).mkdir(parents=True)
+    logger.run.metrics_file(2).write_text(json.dumps(metrics))
+    logger.log_step(2, metrics)
+    client = MlflowClient(tracking_uri=tracker.tracking_uri)
+    client.delete_tag(run_id, LOGGED_STEPS_TAG)  # the metrics are stored, the marker is not
+
+    resumed = Tracker(TrackingConfig(experiment="log-process"), state_dir)
+    assert resumed.start("lost-marker", {}, run_id=run_id) == run_id
+    assert resumed.logged_steps == set()
+    StepLogger(resumed, logger.run, "lost-marker", iterations=5).log_step(2, metrics)
+    assert history(resumed, run_id) == [(2, 2.0)]
+    assert history(resumed, run_id, "b") == [(2, 0.5)]
+    assert client.get_run(run_id).data.tags[LOGGED_STEPS_TAG] == "2"
+    # What the step's own time guards against: the same point at another time is a second point.
+    client.log_batch(run_id, metrics=[Metric("b", 0.5, 1, 2)], synchronous=True)
+    assert history(resumed, run_id, "b") == [(2, 0.5), (2, 0.5)]
