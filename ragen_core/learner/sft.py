@@ -50,7 +50,7 @@ from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
 from ragen_core.learner.forward import decoder_hidden, shared_prefix_length
 from ragen_core.progress import duration, progress_log
 from ragen_core.protocol import ProtocolConfig, build_messages, forced_prefix
-from ragen_core.rollout.runner import Segments, _Turn
+from ragen_core.rollout.runner import SampledTurn, Segments
 
 __all__ = [
     "Demo",
@@ -131,7 +131,7 @@ def build_demonstrations(
     seg = Segments(tokenizer, prefix)
     groups = EnvGroups(demo_groups_config(cfg), protocol, mode="train")
     seeds = groups.reset(0)
-    turns: dict[int, list[_Turn]] = {i: [] for i in groups.env_ids}
+    turns: dict[int, list[SampledTurn]] = {i: [] for i in groups.env_ids}
     texts: dict[int, list[str]] = {i: [] for i in groups.env_ids}
     acts: dict[int, list[list[str]]] = {i: [] for i in groups.env_ids}
     optimal: dict[int, list[bool]] = {i: [] for i in groups.env_ids}
@@ -159,7 +159,7 @@ def build_demonstrations(
                 chosen, is_opt = env.random_answer(plan, cap, rng), False
             text = _answer_text(env, chosen, protocol)
             ids = [*seg.encode(text), seg.eos_id]
-            turns[i].append(_Turn(ids=ids, logprobs=[0.0] * len(ids), closed=True))
+            turns[i].append(SampledTurn(ids=ids, logprobs=[0.0] * len(ids), closed=True))
             texts[i].append(text)
             acts[i].append([a.strip() for a in chosen])
             optimal[i].append(is_opt)
@@ -188,7 +188,7 @@ def build_demonstrations(
 
 
 def _sequences(
-    groups: EnvGroups, seg: Segments, protocol: ProtocolConfig, env_id: int, turns: list[_Turn]
+    groups: EnvGroups, seg: Segments, protocol: ProtocolConfig, env_id: int, turns: list[SampledTurn]
 ) -> list[tuple[list[int], list[int], list[int]]]:
     """Tokens, loss mask and turn index of one demonstration episode: one sequence with the full
     history, else one per turn (its prompt inside the window plus its answer, trained on that turn)."""

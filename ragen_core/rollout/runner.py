@@ -83,7 +83,7 @@ def turn_seed(seed: int, seed_round: int, split: str, env_id: int, turn: int) ->
 
 
 @dataclass
-class _Turn:
+class SampledTurn:
     """What the policy sampled in one turn (ids incl. its end-of-turn token if it emitted one)."""
 
     ids: list[int]
@@ -97,7 +97,7 @@ class _Turn:
 
 @dataclass
 class _Conversation:
-    turns: list[_Turn] = field(default_factory=list)
+    turns: list[SampledTurn] = field(default_factory=list)
 
 
 class Segments:
@@ -169,7 +169,7 @@ class Segments:
         return full[cut + len(anchor) :]
 
     def assemble(
-        self, messages: Sequence[Message], turns: Sequence[_Turn], first_turn: int
+        self, messages: Sequence[Message], turns: Sequence[SampledTurn], first_turn: int
     ) -> tuple[list[int], list[int], list[int], list[float], list[list[int]]]:
         """Tokens, loss mask, turn index and log-probs of ``messages``, and the constrained tokens as
         ``[position, allowed ids]`` pairs (empty without constrained decoding).
@@ -273,7 +273,7 @@ class _Episodes:
             budget=self.params.max_new_tokens,
         )
 
-    def visible(self, env_id: int, for_generation: bool) -> tuple[list[Message], list[_Turn], int]:
+    def visible(self, env_id: int, for_generation: bool) -> tuple[list[Message], list[SampledTurn], int]:
         """The messages the model sees (inside the context window), their sampled turns, and the
         index of the first turn shown."""
         history = self.groups.history(env_id)
@@ -309,7 +309,7 @@ class _Episodes:
             ids = list(gen.token_ids)
             closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
             self.convs[env_id].turns.append(
-                _Turn(
+                SampledTurn(
                     ids=ids,
                     logprobs=list(gen.logprobs),
                     closed=closed,

@@ -39,7 +39,8 @@ class TrackingError(RuntimeError):
     """The tracking store cannot be reached or refused a write; the message names the store and the fix."""
 
 
-def _cut(value: str, limit: int) -> str:
+def cut_text(value: str, limit: int) -> str:
+    """``value`` cut to ``limit`` characters, ending in "..." when cut (MLflow's length limits)."""
     return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
@@ -81,7 +82,7 @@ def deleted_run_message(uri: str, run_id: str) -> str:
     )
 
 
-def _failure_reason(e: BaseException) -> tuple[bool, str]:
+def failure_reason(e: BaseException) -> tuple[bool, str]:
     """(is the store unreachable, a short one-line reason) for an exception of an MLflow call."""
     text = " ".join(f"{type(x).__name__}: {x}" for x in _chain(e))
     timeout = os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
@@ -104,7 +105,7 @@ def _failure_reason(e: BaseException) -> tuple[bool, str]:
     ):
         return True, "connection lost"
     first = " ".join(f"{type(e).__name__}: {e}".split())
-    return isinstance(e, ConnectionError | TimeoutError), _cut(first, 300)
+    return isinstance(e, ConnectionError | TimeoutError), cut_text(first, 300)
 
 
 def _chain(e: BaseException) -> list[BaseException]:

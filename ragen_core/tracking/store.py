@@ -213,7 +213,7 @@ def _own_default_experiment(db: Path) -> None:
         )
 
 
-def _open_sqlite_client(uri: str, db: Path) -> MlflowClient:
+def open_sqlite_client(uri: str, db: Path) -> MlflowClient:
     """An MlflowClient on the SQLite store ``db``; a new store starts from the template, or is built by
     MLflow and becomes the template; a copied or moved store gets its artifact locations back."""
     from mlflow.tracking import MlflowClient

@@ -64,12 +64,12 @@ from ragen_core.tracking.links import run_page, ui_base
 from ragen_core.tracking.offline import (
     HTTP_DEFAULTS,
     TrackingError,
-    _cut,
-    _failure_reason,
+    cut_text,
     deleted_run_message,
+    failure_reason,
     probe_http,
 )
-from ragen_core.tracking.store import _open_sqlite_client, experiment_artifacts
+from ragen_core.tracking.store import experiment_artifacts, open_sqlite_client
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -149,7 +149,7 @@ class Tracker:
 
         self.library_log = route_library_logs(state_dir)  # MLflow's own tracebacks: to a file
         if db is not None:
-            self.client: MlflowClient = _open_sqlite_client(self.tracking_uri, db)
+            self.client: MlflowClient = open_sqlite_client(self.tracking_uri, db)
         else:
             self.client = MlflowClient(tracking_uri=self.tracking_uri)
 
@@ -170,7 +170,7 @@ class Tracker:
         """Record the first failure of the run and warn once; later calls skip the store."""
         if self.offline is not None:
             return
-        unreachable, reason = _failure_reason(e)
+        unreachable, reason = failure_reason(e)
         self.offline = (
             f"MLflow at {self.tracking_uri} {'unreachable' if unreachable else 'failing'} "
             f"since {what} ({reason})"
@@ -312,7 +312,7 @@ class Tracker:
         one it has (MLflow keeps a param's first value), with their new values."""
         from mlflow.entities import Param
 
-        flat = {metric_key(k): _cut(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
+        flat = {metric_key(k): cut_text(v, MAX_PARAM_VALUE_LEN) for k, v in flatten_params(params).items()}
         changed = {k: v for k, v in sorted(flat.items()) if k in existing and existing[k] != v}
         new = [Param(k, v) for k, v in flat.items() if k not in existing]
         try:
@@ -445,7 +445,7 @@ class Tracker:
     def _log_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        items = [RunTag(metric_key(k), _cut(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()]
+        items = [RunTag(metric_key(k), cut_text(str(v), MAX_TAG_VALUE_LEN)) for k, v in tags.items()]
         for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
             self.client.log_batch(run_id, tags=chunk, synchronous=True)
 
