@@ -47,6 +47,7 @@ from envs.base import Env
 from envs.oracles import oracle_actions
 from ragen_core.config.sft import SFTConfig
 from ragen_core.env_groups import EnvGroups, EnvGroupsConfig
+from ragen_core.learner.critic import backbone
 from ragen_core.learner.forward import decoder_hidden, shared_prefix_length
 from ragen_core.progress import duration, progress_log
 from ragen_core.protocol import ProtocolConfig, build_messages, forced_prefix
@@ -255,7 +256,7 @@ def sft_loss(
     gradients up to float rounding). Returns ``(loss, n_tokens)``.
     """
     targets = loss_mask[:, 1:]
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    base = backbone(model)  # the transformer body, also through a LoRA wrapper (as the learner reads it)
     p = shared_prefix_length(input_ids, loss_mask, attention_mask) if shared_prefix else 0
     hidden = decoder_hidden(base, input_ids, p, attention_mask)
     logits = model.lm_head(hidden[:, :-1][targets[:, p:]]).float()
