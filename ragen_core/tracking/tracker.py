@@ -379,12 +379,10 @@ class Tracker:
     # ------------------------------------------------------------------ metrics, tags
     def log_iteration(self, step: int, metrics: Mapping[str, Any], timestamp_ms: int | None = None) -> bool:
         """Log one iteration's metrics at ``step`` in one ``log_batch``; False (and nothing logged)
-        when this run already has iteration ``step``.
-
-        ``timestamp_ms`` (default: now) should be the step's own time, the same on every try: a server
-        lost after it stored the metrics but before the step's marker (MLflow's SQL store commits the
-        two apart) leaves the step unmarked, and a resume sends it again; MLflow's store drops a metric
-        point equal to one it has (key, value, step and timestamp), so the retry adds no duplicate."""
+        when this run already has iteration ``step``. ``timestamp_ms`` (default: now): the step's own
+        time, the same on every try. MLflow's SQL store commits metrics and the step's marker apart, so
+        a lost server can leave the step stored but unmarked; the resume's retry of equal points (key,
+        value, step, timestamp) is then dropped by the store, not stored twice."""
         from mlflow.entities import Metric, RunTag
 
         run_id = self._require_run()
