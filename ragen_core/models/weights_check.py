@@ -60,6 +60,24 @@ def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
     )
 
 
+def parameter_count(folder: str | os.PathLike[str]) -> int | None:
+    """The number of weights in a model folder's ``*.safetensors`` files, from their headers (no torch);
+    None where there is no such file or a header does not parse (:func:`check_model_folder` says why)."""
+    total, found = 0, False
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        if _header_problem(path) is not None:
+            return None
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, tensor in header.items():
+            if key != "__metadata__" and isinstance(tensor, dict):
+                count = 1
+                for dim in tensor.get("shape", []):
+                    count *= int(dim)
+                total, found = total + count, True
+    return total if found else None
+
+
 def check_model_folder(folder: str | os.PathLike[str]) -> None:
     """:class:`WeightsFileError` for the first broken ``*.safetensors`` file of a model folder (and its
     ``policy/`` subfolder, where a run keeps a checkpoint's weights)."""

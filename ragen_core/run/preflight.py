@@ -199,6 +199,56 @@ def _run_root_problems(cfg: RagenConfig, min_free_gb: float) -> list[str]:
     return []
 
 
+#: Bytes per weight of each ``model.dtype`` spelling.
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+
+
+def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
+    """At least what a new run's checkpoints will hold, in GiB (the critic, with GAE, comes on top).
+
+    With ``W`` = the policy's weights x the bytes of ``model.dtype``: the starting policy twice
+    (``init_policy``, ``init_checkpoint``), ``W`` for each of ``trainer.iterations`` checkpoints, and
+    AdamW's two moments (``2W``) in the last ``trainer.keep_optimizer_states`` of them (in all when it is
+    unset). None where that is small or unknown: the tiny model, LoRA (its checkpoints hold the
+    adapter), a folder without safetensors weights."""
+    from ragen_core.config.model import ModelNotFoundError
+    from ragen_core.models.weights_check import parameter_count
+
+    if cfg.model.builds_tiny or cfg.learner.lora.rank > 0:
+        return None
+    try:
+        source = cfg.model.source()
+    except ModelNotFoundError:
+        return None  # model_problems says so
+    weights = parameter_count(source) if source and Path(source).is_dir() else None
+    if weights is None:
+        return None
+    w = weights * DTYPE_BYTES[cfg.model.dtype.lower()] / 2**30
+    iterations = cfg.trainer.iterations
+    with_optimiser = min(iterations, cfg.trainer.keep_optimizer_states or iterations)
+    return (iterations + 2) * w + with_optimiser * 2 * w
+
+
+def disk_warning(cfg: RagenConfig) -> str | None:
+    """One line when a new run's checkpoints (:func:`checkpoint_disk_gib`) will not fit on the run
+    root's disk: such a run stops where the disk fills, which can be an hour in. A warning, not an
+    error: the estimate leaves out what other runs free or take meanwhile."""
+    import shutil
+
+    need = checkpoint_disk_gib(cfg)
+    root = Path(cfg.trainer.run_root or state_dir() / "runs")
+    free = shutil.disk_usage(existing_ancestor(root)).free / 2**30
+    if need is None or need <= free:
+        return None
+    keep = "" if cfg.trainer.keep_optimizer_states else ", --set trainer.keep_optimizer_states=2"
+    return (
+        f"trainer.run_root={root}: this run's {cfg.trainer.iterations} checkpoints will take about "
+        f"{need:.1f} GiB and its disk has {free:.1f} GiB free: the run stops when the disk fills (`ragen "
+        f"train --resume` continues it once there is room); free space, choose another --set "
+        f"trainer.run_root{keep} or fewer trainer.iterations"
+    )
+
+
 def learnability_check(cfg: RagenConfig) -> None:
     """``trainer.probe``: the learnability check of ``ragen probe`` before a new run (not after a warm
     start, which changes the policy it would judge). ``warn`` logs a no-go with its reason and advice;

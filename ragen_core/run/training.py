@@ -38,7 +38,7 @@ from ragen_core.progress import IterationClock, duration, iteration_line
 from ragen_core.run.lineage import SystemMetrics, log_lineage
 from ragen_core.run.log_process import open_step_log, wait_for_earlier_logging
 from ragen_core.run.logged_models import log_kept_models, registry_name, run_alias
-from ragen_core.run.preflight import learnability_check, preflight
+from ragen_core.run.preflight import disk_warning, learnability_check, preflight
 from ragen_core.run.resume import resume_config
 from ragen_core.run.run_dir import RunDir, create_run, find_run, run_name
 from ragen_core.run.run_lock import RunLock
@@ -108,6 +108,8 @@ def open_run(
         source = config or DEFAULT_CONFIG
         cfg = load_config(source, list(overrides))
         preflight(cfg)
+        if warning := disk_warning(cfg):
+            log.warning("%s", warning)
         new_name, changes = run_name(cfg, name, source), {}
         learnability_check(cfg)
     try:
