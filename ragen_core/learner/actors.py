@@ -137,10 +137,6 @@ class RayAddressError(RagenError, RuntimeError):
     """``RAY_ADDRESS`` names a cluster that does not answer."""
 
 
-class RayStartError(RagenError, RuntimeError):
-    """The run's own Ray cluster did not come up on this machine."""
-
-
 def ray_address_problem(address: str, timeout_s: float = 5.0) -> str | None:
     """Why no Ray cluster answers at ``address`` (``host:port`` or ``ray://host:port``), or None.
 
@@ -209,7 +205,7 @@ def init_ray(
                 num_cpus = local_cluster_cpus()
             _token_auth()
             ray_sessions.remove_stale_sessions()
-            with _loopback_node(), _named_start_failure():
+            with _loopback_node(), ray_sessions.named_start_failure():
                 # "local": a new cluster. Without it ray.init() joins whatever cluster another process
                 # registered in /tmp/ray, and then refuses num_cpus ("When connecting to an existing
                 # cluster, num_cpus and num_gpus must not be provided").
@@ -233,25 +229,6 @@ def init_ray(
                 )
     resources: dict[str, Any] = ray.cluster_resources()
     return resources
-
-
-@contextlib.contextmanager
-def _named_start_failure() -> Iterator[None]:
-    """Ray gives its raylet a fixed 30 s to register and then raises a bare ``Exception`` ("The current
-    node timed out during startup"); on a machine busy with other work (``make run`` at low priority
-    beside a 2-thread training run) that happens. It becomes a :class:`RayStartError` with the fix."""
-    try:
-        yield
-    except Exception as exc:
-        if "timed out during startup" not in str(exc):
-            raise
-        load = os.getloadavg()[0]
-        raise RayStartError(
-            f"the run's own Ray cluster did not start: its node did not register within Ray's 30 s (load "
-            f"average {load:.1f} on {os.cpu_count()} CPUs: the machine is busy). Run it again when the "
-            "machine is quieter (a run that got a folder continues with `ragen train --resume RUN_ID`; "
-            "`ragen show` lists them), or --set trainer.backend=local to train without Ray"
-        ) from exc
 
 
 @contextlib.contextmanager

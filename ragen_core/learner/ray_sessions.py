@@ -1,4 +1,5 @@
-"""The session folders of the Ray clusters a run starts for itself (``/tmp/ray/session_<date>_<pid>``):
+"""The Ray clusters a run starts for itself: a start that times out, named (:func:`named_start_failure`),
+and their session folders (``/tmp/ray/session_<date>_<pid>``):
 removed when the process ends, and those of earlier processes that were killed before they could
 remove theirs, at the next start. Ray keeps every session's folder (logs, sockets, spilled objects),
 so a day of runs left 29 of them.
@@ -11,11 +12,15 @@ by address, or started by anyone else, has no such file and is never touched.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+
+from ragen_core.errors import RagenError
 
 _log = logging.getLogger(__name__)
 
@@ -116,3 +121,26 @@ def _remove_at_exit(session: Path) -> None:
         _log.debug("ray.shutdown at exit: %s", exc)
     shutil.rmtree(session, ignore_errors=True)
     _drop_dangling_latest(session.parent)
+
+
+class RayStartError(RagenError, RuntimeError):
+    """The run's own Ray cluster did not come up on this machine."""
+
+
+@contextlib.contextmanager
+def named_start_failure() -> Iterator[None]:
+    """Ray gives its raylet a fixed 30 s to register and then raises a bare ``Exception`` ("The current
+    node timed out during startup"); on a machine busy with other work (``make run`` at low priority
+    beside a 2-thread training run) that happens. It becomes a :class:`RayStartError` with the fix."""
+    try:
+        yield
+    except Exception as exc:
+        if "timed out during startup" not in str(exc):
+            raise
+        load = os.getloadavg()[0]
+        raise RayStartError(
+            f"the run's own Ray cluster did not start: its node did not register within Ray's 30 s (load "
+            f"average {load:.1f} on {os.cpu_count()} CPUs: the machine is busy). Run it again when the "
+            "machine is quieter (a run that got a folder continues with `ragen train --resume RUN_ID`; "
+            "`ragen show` lists them), or --set trainer.backend=local to train without Ray"
+        ) from exc

@@ -147,7 +147,7 @@ def test_a_local_cluster_that_does_not_start_in_time_is_one_line_with_the_fix(
     import ray._private.node
 
     from ragen_core.errors import is_user_error
-    from ragen_core.learner.actors import RayStartError
+    from ragen_core.learner.ray_sessions import RayStartError
 
     ray_text = "The current node timed out during startup. This could happen because some of the raylet"
     assert "The current node timed out during startup" in inspect.getsource(ray._private.node)
