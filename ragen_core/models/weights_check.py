@@ -7,8 +7,10 @@ cheap (no torch), so the CLI checks every weight file of a model folder before a
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 from ragen_core.errors import RagenError
 
@@ -20,36 +22,40 @@ class WeightsFileError(RagenError, ValueError):
     """A weight file that cannot be a valid safetensors file; the message names it and the fix."""
 
 
-def _header_problem(path: Path) -> str | None:
+def _read_header(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A safetensors file's JSON header, or None and why it is not a valid one."""
     size = path.stat().st_size
     if size < 8:
-        return f"{size} bytes, shorter than the 8-byte header length"
+        return None, f"{size} bytes, shorter than the 8-byte header length"
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         if length > size - 8 or length > MAX_HEADER_BYTES:
-            return f"its header length field says {length} bytes, the file has {size}"
+            return None, f"its header length field says {length} bytes, the file has {size}"
         raw = f.read(length)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
-        return "its header is not JSON"
+        return None, "its header is not JSON"
     if not isinstance(header, dict):
-        return "its header is not a JSON object"
+        return None, "its header is not a JSON object"
     ends = [
         int(v["data_offsets"][1])
         for k, v in header.items()
         if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
     ]
     if ends and max(ends) > size - 8 - length:
-        return f"its tensors end at byte {max(ends)} of the data, and the file holds {size - 8 - length}"
-    return None
+        return (
+            None,
+            f"its tensors end at byte {max(ends)} of the data, and the file holds {size - 8 - length}",
+        )
+    return header, None
 
 
 def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
     """One line naming ``path``, why it is not a valid safetensors file and the fix; None if it is."""
     path = Path(path)
     try:
-        why = _header_problem(path)
+        why = _read_header(path)[1]
     except OSError as exc:
         why = f"cannot be read ({exc.strerror or exc})"
     if why is None:
@@ -65,16 +71,12 @@ def parameter_count(folder: str | os.PathLike[str]) -> int | None:
     None where there is no such file or a header does not parse (:func:`check_model_folder` says why)."""
     total, found = 0, False
     for path in sorted(Path(folder).glob("*.safetensors")):
-        if _header_problem(path) is not None:
+        header, _ = _read_header(path)
+        if header is None:
             return None
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         for key, tensor in header.items():
             if key != "__metadata__" and isinstance(tensor, dict):
-                count = 1
-                for dim in tensor.get("shape", []):
-                    count *= int(dim)
-                total, found = total + count, True
+                total, found = total + math.prod(int(dim) for dim in tensor.get("shape", [])), True
     return total if found else None
 
 
