@@ -43,6 +43,11 @@ def models_dir(state: str | os.PathLike[str] | None = None) -> Path:
     return Path(state if state is not None else state_dir()) / "models"
 
 
+def runs_dir(run_root: str | os.PathLike[str] | None = None) -> Path:
+    """Where runs go: ``run_root`` (``trainer.run_root``) or ``<state>/runs``."""
+    return Path(run_root or state_dir() / "runs")
+
+
 def cache_dir() -> Path:
     """ragen-flow's folder in the user cache: ``$XDG_CACHE_HOME/ragen-flow``, else
     ``~/.cache/ragen-flow`` (an empty ``XDG_CACHE_HOME`` counts as unset, as in the Makefile)."""
@@ -134,13 +139,13 @@ def locate_run(run_id_or_path: str, run_root: str | os.PathLike[str] | None = No
         known = read_run_index().get(run_id_or_path)
         if known:
             candidates.append(indexed_run(known))
-    candidates.append(Path(run_root or state_dir() / "runs") / run_id_or_path)
+    candidates.append(runs_dir(run_root) / run_id_or_path)
     return next((c for c in candidates if (c / "config.yaml").is_file()), None)
 
 
 def run_not_found(run_id_or_path: str, run_root: str | os.PathLike[str] | None = None) -> str:
     """Why :func:`locate_run` found nothing, and the fix (one line)."""
-    default_root = Path(run_root or state_dir() / "runs")
+    default_root = runs_dir(run_root)
     return (
         f"no run {run_id_or_path!r}: not a run directory, not in the run index {run_index_path()}, and not "
         f"under {default_root}; pass the run directory"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from ragen_core.errors import RagenError
-from ragen_core.state_folder import locate_run, models_dir, run_not_found, state_dir
+from ragen_core.state_folder import locate_run, models_dir, run_not_found, runs_dir, state_dir
 
 
 class PolicyNotFoundError(RagenError, FileNotFoundError):
@@ -49,7 +49,7 @@ def in_hf_cache(name: str) -> bool:
 def _examples() -> str:
     """A few run ids and imported models to suggest (the newest first), or ``""``."""
     found: list[tuple[float, str]] = []
-    for folder in (state_dir() / "runs", models_dir()):
+    for folder in (runs_dir(), models_dir()):
         if folder.is_dir():
             for d in folder.iterdir():
                 if d.is_dir():
@@ -84,7 +84,7 @@ def locate_policy(spec: str) -> PolicyRef:
         return PolicyRef("model", spec)
     raise PolicyNotFoundError(
         f"no run or model {spec!r}: not a run id or run directory (run index "
-        f"{state_dir() / 'runs.json'}, runs under {state_dir() / 'runs'}), not a model folder, and not "
+        f"{state_dir() / 'runs.json'}, runs under {runs_dir()}), not a model folder, and not "
         f"in the Hugging Face cache {hf_hub_cache()} (nothing is downloaded); pass a run id or RUN_ID@STEP"
         f"{_examples()}, a run directory, or a model folder (`ragen model import` makes one)"
     )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ragen_core.config import RagenConfig
-from ragen_core.state_folder import state_dir
+from ragen_core.state_folder import runs_dir
 from ragen_core.storage import existing_ancestor
 
 
@@ -183,7 +183,7 @@ def _run_root_problems(cfg: RagenConfig, min_free_gb: float) -> list[str]:
     """The run root: a writable folder (or one that can be made) with ``min_free_gb`` free on its disk."""
     import shutil
 
-    root = Path(cfg.trainer.run_root or state_dir() / "runs")
+    root = runs_dir(cfg.trainer.run_root)
     probe = existing_ancestor(root)
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         return [
@@ -199,10 +199,6 @@ def _run_root_problems(cfg: RagenConfig, min_free_gb: float) -> list[str]:
     return []
 
 
-#: Bytes per weight of each ``model.dtype`` spelling.
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
-
-
 def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     """At least what a new run's checkpoints will hold, in GiB (the critic, with GAE, comes on top).
 
@@ -212,6 +208,7 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     unset). None where that is small or unknown: the tiny model, LoRA (its checkpoints hold the
     adapter), a folder without safetensors weights."""
     from ragen_core.config.model import ModelNotFoundError
+    from ragen_core.models.policies import torch_dtype
     from ragen_core.models.weights_check import parameter_count
 
     if cfg.model.builds_tiny or cfg.learner.lora.rank > 0:
@@ -223,7 +220,7 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     weights = parameter_count(source) if source and Path(source).is_dir() else None
     if weights is None:
         return None
-    w = weights * DTYPE_BYTES[cfg.model.dtype.lower()] / 2**30
+    w = weights * torch_dtype(cfg.model.dtype).itemsize / 2**30
     iterations = cfg.trainer.iterations
     with_optimiser = min(iterations, cfg.trainer.keep_optimizer_states or iterations)
     return (iterations + 2) * w + with_optimiser * 2 * w
@@ -236,9 +233,11 @@ def disk_warning(cfg: RagenConfig) -> str | None:
     import shutil
 
     need = checkpoint_disk_gib(cfg)
-    root = Path(cfg.trainer.run_root or state_dir() / "runs")
+    if need is None:
+        return None
+    root = runs_dir(cfg.trainer.run_root)
     free = shutil.disk_usage(existing_ancestor(root)).free / 2**30
-    if need is None or need <= free:
+    if need <= free:
         return None
     keep = "" if cfg.trainer.keep_optimizer_states else ", --set trainer.keep_optimizer_states=2"
     return (

@@ -31,7 +31,7 @@ from ragen_core.state_folder import (
     read_run_index,
     run_index_path,
     run_not_found,
-    state_dir,
+    runs_dir,
 )
 from ragen_core.storage import write_error
 
@@ -337,7 +337,7 @@ def create_run(
     chash = config_hash(cfg)
     name = check_run_name(name) if name else run_name(cfg)
     run_id = f"{name}-{chash[:8]}-{uuid.uuid4().hex[:6]}"
-    run = RunDir(Path(root or cfg.trainer.run_root or state_dir() / "runs") / run_id)
+    run = RunDir(runs_dir(root or cfg.trainer.run_root) / run_id)
     read_run_index()  # a damaged index fails before the run folder exists, not after
     try:
         run.root.mkdir(parents=True, exist_ok=False)
