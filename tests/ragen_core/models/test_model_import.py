@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,13 +52,19 @@ def real_gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """``(result, seconds)``: SmolLM2 imported from its package into a fresh state folder."""
+def imported(tmp_path_factory, request):
+    """``(result, seconds)``: SmolLM2 imported from its package into a fresh state folder.
+
+    The folder ends up holding two real-model runs, a rerun and their MLflow models (about 8 GiB), so it
+    is removed when the module is done, unless one of its tests failed (then it stays to be looked at)."""
     real_gguf()
     state = tmp_path_factory.mktemp("state")
+    failed_before = request.session.testsfailed
     t0 = time.perf_counter()
     result = import_gguf(PACKAGE, state_dir=state)
-    return result, time.perf_counter() - t0
+    yield result, time.perf_counter() - t0
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
