@@ -32,6 +32,14 @@ class _QuietFileHandler(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         return
 
+    def emit(self, record: logging.LogRecord) -> None:
+        # ``FileHandler`` opens its file (``delay=True``) outside the guard that calls ``handleError``:
+        # a folder that is gone or a disk that refuses the file would raise inside the library's log call
+        try:
+            super().emit(record)
+        except OSError:
+            self.handleError(record)
+
 
 _handler: list[_QuietFileHandler] = []  # the process's one handler (its first state folder's file)
 
