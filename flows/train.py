@@ -40,7 +40,7 @@ from ragen_core.run.stages import (
     eval_due,
     finish_iteration,
     init_policy_stage,
-    prune_optimizer_states,
+    prune_checkpoints,
     rollout_ahead,
 )
 from ragen_core.run.training import Training, open_run, run_summary_markdown
@@ -119,7 +119,7 @@ def run_iteration(run_root: str, k: int) -> dict[str, float]:
     if eval_due(cfg, k):
         metrics.update(evaluate_task(run_root, k)["metrics"])
     finish_iteration(run, k, metrics)
-    prune_optimizer_states(cfg, run, k)
+    prune_checkpoints(cfg, run, k)
     return metrics
 
 

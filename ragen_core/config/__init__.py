@@ -284,6 +284,14 @@ class TrainerConfig(BaseModel):
         "(AdamW's state is twice the weights: 1 GB an iteration for a 135M model), older ones keep their "
         "weights (evaluate, logged models) but cannot be resumed or rerun from",
     )
+    keep_policies: int | None = Field(
+        default=None,
+        ge=2,
+        description="None: every iteration's checkpoint keeps its weights; N: only the last N iterations "
+        "and the validated ones (every trainer.eval_every, where the best policy is chosen) do, the others "
+        "keep their rollouts, metrics and a WEIGHTS_PRUNED note (0.5 GB an iteration saved for a 135M "
+        "model in float32): they cannot be evaluated, rerun or continued from",
+    )
     probe: Literal["warn", "error", "off"] = Field(
         default="warn",
         description="before a new run without a warm start, the learnability check of `ragen probe` on the "
@@ -342,12 +350,13 @@ class RagenConfig(BaseModel):
             problems += tag_problems(self.sft.tags, "sft.tags")
         problems += _model_shape_problems(self.model)
         problems += _action_decoding_problems(self)
-        if self.trainer.keep_optimizer_states is not None and self.monitor.action == "rollback":
-            problems.append(
-                f"trainer.keep_optimizer_states={self.trainer.keep_optimizer_states} prunes the optimiser "
-                "states a monitor.action=rollback may need; use monitor.action=stop (or none), or "
-                "trainer.keep_optimizer_states=null"
-            )
+        for key, what in (("keep_optimizer_states", "optimiser states"), ("keep_policies", "weights")):
+            keep = getattr(self.trainer, key)
+            if keep is not None and self.monitor.action == "rollback":
+                problems.append(
+                    f"trainer.{key}={keep} prunes the {what} a monitor.action=rollback may need; use "
+                    f"monitor.action=stop (or none), or trainer.{key}=null"
+                )
         if problems:
             raise ValueError("\n  ".join(problems))
         g, f, algo = self.train, self.rollout.filter, self.learner.algorithm

@@ -9,8 +9,11 @@ A checkpoint is a folder (``<run>/iter_K/checkpoint``) holding everything a lear
 - ``manifest.json``: format, iteration, the model signature (what must match to load it), the
   learner config, the caller's ``extra``, the sha256 of every other file under ``files`` and its own
   under ``manifest_sha256``;
-- ``OPTIM_PRUNED``, only when :func:`prune_optimizer_state` removed ``optim.pt`` (a run's
+- ``OPTIM_PRUNED``, only when ``checkpoint_pruning.prune_optimizer_state`` removed ``optim.pt`` (a run's
   ``trainer.keep_optimizer_states``): the weights stay readable, a learner cannot continue from it.
+- ``WEIGHTS_PRUNED``, only when ``checkpoint_pruning.prune_weights`` removed the weights, the critic
+  and ``optim.pt`` (a run's ``trainer.keep_policies``): the manifest and RNG states stay as the record
+  of the step, and every read names the note.
 
 :func:`write_checkpoint` writes into a temporary folder and renames it over the old one only once it
 is complete. :func:`read_checkpoint` reads and checks everything (digests, signature, shapes) before
@@ -46,13 +49,16 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-#: The note that replaces a pruned ``optim.pt`` (see :func:`prune_optimizer_state`).
+#: The note that replaces a pruned ``optim.pt`` (``checkpoint_pruning.prune_optimizer_state``).
 OPTIM_PRUNED = "OPTIM_PRUNED"
+#: The note that replaces a checkpoint's pruned weights (``checkpoint_pruning.prune_weights``).
+WEIGHTS_PRUNED = "WEIGHTS_PRUNED"
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "MANIFEST",
     "OPTIM_PRUNED",
+    "WEIGHTS_PRUNED",
     "CheckpointError",
     "LearnerState",
     "LoadedCheckpoint",
@@ -61,7 +67,6 @@ __all__ = [
     "manifest_digest",
     "merged_policy_state",
     "model_signature",
-    "prune_optimizer_state",
     "read_checkpoint",
     "save_learner",
     "set_rng_state",
@@ -309,6 +314,13 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{manifest_file}: corrupt manifest: its content does not match its own "
             f"manifest_sha256, so {which} cannot be trusted. {fix}"
         )
+    if (path / WEIGHTS_PRUNED).exists():
+        reason = (path / WEIGHTS_PRUNED).read_text(errors="replace").strip()
+        raise CheckpointError(
+            f"{path}: the weights of {which} were {reason} ({path / WEIGHTS_PRUNED}); its rollouts and "
+            "metrics remain, but it cannot be evaluated, played or continued from. Use a step that kept "
+            "its weights: the validated steps and the last ones (`ragen evaluate RUN@K` lists them)"
+        )
     pruned = (path / OPTIM_PRUNED).exists()
     for rel, expected in (manifest.get("files") or {}).items():
         if pruned and rel == "optim.pt":
@@ -325,22 +337,6 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{manifest_file} when {which} was written. {fix}"
             )
     return manifest
-
-
-def prune_optimizer_state(path: str | os.PathLike[str], reason: str) -> bool:
-    """Remove a checkpoint's ``optim.pt`` (AdamW keeps two tensors per weight: twice the policy's size),
-    leaving ``OPTIM_PRUNED`` with ``reason``; the weights, the RNG states and the manifest stay, and
-    :func:`verify_checkpoint` still checks them. Returns whether anything was removed."""
-    path = Path(path)
-    optim = path / "optim.pt"
-    if not optim.exists():
-        return False
-    note = path / OPTIM_PRUNED
-    tmp = path / f".{OPTIM_PRUNED}.tmp-{os.getpid()}"
-    tmp.write_text(reason.rstrip() + "\n")
-    os.replace(tmp, note)  # the note first: a crash between the two leaves a loadable-looking folder never
-    optim.unlink()
-    return True
 
 
 def _checkpoint_repair(path: Path) -> str:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from ragen_core.env_groups import EnvGroupsConfig
 from ragen_core.errors import RagenError
-from ragen_core.learner.checkpoint import verify_checkpoint
+from ragen_core.learner.checkpoint import WEIGHTS_PRUNED, verify_checkpoint
 from ragen_core.models.policy_ref import locate_policy
 from ragen_core.models.weights_check import check_model_folder
 from ragen_core.progress import duration
@@ -164,7 +164,9 @@ def resolve_policy(spec: str) -> Policy:
     k = int(step) if at else run.last_complete()
     if k not in steps:
         fix = f"; evaluate one of them, e.g. {name}@{steps[-1]}" if steps else ""
-        raise EvaluateError(f"run {run.root.name} has no checkpoint at step {k}; {have}{fix}")
+        note = run.checkpoint(k) / WEIGHTS_PRUNED
+        why = f" (its weights were {note.read_text(errors='replace').strip()})" if note.is_file() else ""
+        raise EvaluateError(f"run {run.root.name} has no checkpoint at step {k}{why}; {have}{fix}")
     if k == 0:  # the weights are checked against their recorded digests before anything loads them
         check_init_policy(run)
     else:

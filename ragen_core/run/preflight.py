@@ -203,9 +203,9 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     """At least what a new run's checkpoints will hold, in GiB (the critic, with GAE, comes on top).
 
     With ``W`` = the policy's weights x the bytes of ``model.dtype``: the starting policy twice
-    (``init_policy``, ``init_checkpoint``), ``W`` for each of ``trainer.iterations`` checkpoints, and
-    AdamW's two moments (``2W``) in the last ``trainer.keep_optimizer_states`` of them (in all when it is
-    unset). None where that is small or unknown: the tiny model, LoRA (its checkpoints hold the
+    (``init_policy``, ``init_checkpoint``), ``W`` for each of ``trainer.iterations`` checkpoints (with
+    ``trainer.keep_policies``: the last N and the validated ones), and AdamW's two moments (``2W``) in the
+    last ``trainer.keep_optimizer_states`` of those (in all when it is unset). None where that is small or unknown: the tiny model, LoRA (its checkpoints hold the
     adapter), a folder without safetensors weights."""
     from ragen_core.config.model import ModelNotFoundError
     from ragen_core.models.policies import torch_dtype
@@ -220,10 +220,17 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     weights = parameter_count(source) if source and Path(source).is_dir() else None
     if weights is None:
         return None
+    from ragen_core.run.stages import eval_due
+
     w = weights * torch_dtype(cfg.model.dtype).itemsize / 2**30
-    iterations = cfg.trainer.iterations
-    with_optimiser = min(iterations, cfg.trainer.keep_optimizer_states or iterations)
-    return (iterations + 2) * w + with_optimiser * 2 * w
+    t = cfg.trainer
+    with_weights = t.iterations
+    if t.keep_policies is not None:  # the last N and the validated ones
+        with_weights = sum(
+            j > t.iterations - t.keep_policies or eval_due(cfg, j) for j in range(1, t.iterations + 1)
+        )
+    with_optimiser = min(with_weights, t.keep_optimizer_states or with_weights)
+    return (with_weights + 2) * w + with_optimiser * 2 * w
 
 
 def disk_warning(cfg: RagenConfig) -> str | None:
@@ -239,7 +246,11 @@ def disk_warning(cfg: RagenConfig) -> str | None:
     free = shutil.disk_usage(existing_ancestor(root)).free / 2**30
     if need <= free:
         return None
-    keep = "" if cfg.trainer.keep_optimizer_states else ", --set trainer.keep_optimizer_states=2"
+    keep = "".join(
+        f", --set trainer.{key}=2"
+        for key in ("keep_optimizer_states", "keep_policies")
+        if getattr(cfg.trainer, key) is None
+    )
     return (
         f"trainer.run_root={root}: this run's {cfg.trainer.iterations} checkpoints will take about "
         f"{need:.1f} GiB and its disk has {free:.1f} GiB free: the run stops when the disk fills (`ragen "

@@ -39,6 +39,8 @@ RESUMABLE = (
     "trainer.iteration_as",
     "trainer.learners",
     "trainer.actor_loss_retries",
+    "trainer.keep_optimizer_states",  # what is kept on disk, not what an iteration computes
+    "trainer.keep_policies",
     "learner.placement",
     "tracking.",
 )

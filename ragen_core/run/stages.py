@@ -444,13 +444,39 @@ def prune_optimizer_states(cfg: RagenConfig, run: RunDir, k: int) -> list[int]:
     """``trainer.keep_optimizer_states = N``: once iteration ``k`` is done, the checkpoints of iterations
     ``<= k - N`` lose their optimiser state (their weights stay). The next iteration's learn stage reads
     only iteration ``k``'s; returns the iterations pruned now."""
-    from ragen_core.learner.checkpoint import prune_optimizer_state
+    from ragen_core.learner.checkpoint_pruning import prune_optimizer_state
 
     keep = cfg.trainer.keep_optimizer_states
     if keep is None:
         return []
     reason = f"pruned after iteration {k} (trainer.keep_optimizer_states={keep})"
     return [j for j in range(1, k - keep + 1) if prune_optimizer_state(run.checkpoint(j), reason)]
+
+
+def prune_policies(cfg: RagenConfig, run: RunDir, k: int) -> list[int]:
+    """``trainer.keep_policies = N``: once iteration ``k`` is done, the checkpoints of iterations
+    ``<= k - N`` that were not validated lose their weights (``checkpoint_pruning.prune_weights``). What the run
+    still reads stays: the learn stage starts from iteration ``k``'s checkpoint, one-step off-policy
+    rollouts play ``k - 1``'s, and the best and final policies are validated steps and the last one.
+    Returns the iterations pruned now."""
+    from ragen_core.learner.checkpoint_pruning import prune_weights
+
+    keep = cfg.trainer.keep_policies
+    if keep is None:
+        return []
+    reason = f"pruned after iteration {k} (trainer.keep_policies={keep})"
+    return [
+        j
+        for j in range(1, k - keep + 1)
+        if not (eval_due(cfg, j) or run.eval_metrics_file(j).exists())
+        and prune_weights(run.checkpoint(j), reason)
+    ]
+
+
+def prune_checkpoints(cfg: RagenConfig, run: RunDir, k: int) -> None:
+    """After iteration ``k``: what ``trainer.keep_optimizer_states`` and ``trainer.keep_policies`` drop."""
+    prune_optimizer_states(cfg, run, k)
+    prune_policies(cfg, run, k)
 
 
 def finish_iteration(run: RunDir, k: int, metrics: Mapping[str, float]) -> None:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import safetensors.torch
 import torch
@@ -386,6 +387,39 @@ def test_iterations_as_subflows_train_the_same_weights(reference: tuple[Path, Pa
     run = only_run(tmp_path)
     assert mlflow_steps(tmp_path, run) == [0, 1, 2, 3]
     assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
+
+
+def test_keep_policies_prunes_old_weights_and_changes_nothing_else(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """trainer.keep_policies=2 on the reference config (3 iterations, validated at 3): iteration 1 loses
+    its weights after iteration 3, everything else is as the reference has it, and evaluating or
+    rerunning from the pruned step is one line naming why."""
+    out = train(tmp_path, extra=("trainer.keep_policies=2",))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = only_run(tmp_path)
+    pruned = run / "iter_0001" / "checkpoint"
+    assert not (pruned / "policy").exists() and not (pruned / "optim.pt").exists()
+    assert "trainer.keep_policies=2" in (pruned / "WEIGHTS_PRUNED").read_text()
+    assert (run / "iter_0002" / "checkpoint" / "policy" / "model.safetensors").is_file()
+    assert_bitwise_equal(weights(run, 3), weights(reference[1], 3))
+    for k in (1, 2, 3):  # what each iteration played is untouched (the run id aside)
+        name = f"iter_{k:04d}/rollouts.parquet"
+        played, ref = (pq.read_table(r / name).drop_columns(["run_id"]) for r in (run, reference[1]))
+        assert played.equals(ref), k
+
+    evaluated = ragen(["evaluate", f"{run.name}@1", "--n", "4", "--max-new-tokens", "8"], tmp_path)
+    said = evaluated.stdout + evaluated.stderr
+    assert evaluated.returncode != 0 and "Traceback" not in said, said[-3000:]
+    assert (
+        "no checkpoint at step 1 (its weights were pruned after iteration 3 (trainer.keep_policies=2))"
+        in said
+    )
+    assert "it has steps 0, 2-3" in said
+    rerun = ragen(["rerun", str(run), "--iteration", "2", "--stage", "learn"], tmp_path)
+    said = rerun.stdout + rerun.stderr
+    assert rerun.returncode != 0 and "Traceback" not in said, said[-3000:]
+    assert "WEIGHTS_PRUNED" in said and "trainer.keep_policies=2" in said
 
 
 @pytest.mark.parametrize("point", ["rollout", "learn", "checkpoint"])

@@ -269,3 +269,40 @@ def test_pruned_optimizer_states_keep_the_weights_and_refuse_a_learner(tmp_path)
         verify_checkpoint(run.checkpoint(1))
     with pytest.raises(ConfigError, match=r"keep_optimizer_states=2 prunes .*monitor\.action=rollback"):
         load_config(None, ["trainer.keep_optimizer_states=2", "monitor.action=rollback"])
+
+
+def test_pruned_weights_leave_a_note_every_load_names(tmp_path):
+    """trainer.keep_policies=2 after iteration 5 of a run validated at 4 (and, on disk, at 1):
+    iterations 2-3 lose their weights, critic and optimiser state and say why; 1 (validated), 4 and 5
+    keep them. A pruned checkpoint names its note to any reader; pruning again is a no-op."""
+    from ragen_core.config import ConfigError, load_config
+    from ragen_core.learner.checkpoint import WEIGHTS_PRUNED, verify_checkpoint
+    from ragen_core.run.run_dir import RunDir
+    from ragen_core.run.stages import prune_policies
+
+    run = RunDir(tmp_path / "run")
+    learner = Learner(tiny_policy(), make_cfg())
+    for k in range(1, 6):
+        learner.save_checkpoint(run.checkpoint(k), iteration=k)
+    run.eval_metrics_file(1).parent.mkdir(parents=True)
+    run.eval_metrics_file(1).write_text("{}")  # validated, as an earlier eval_every would have
+    cfg = load_config(None, ["trainer.keep_policies=2", "trainer.eval_every=4", "trainer.iterations=8"])
+    before = sum(f.stat().st_size for f in run.checkpoint(2).rglob("*") if f.is_file())
+    assert prune_policies(cfg, run, 5) == [2, 3]
+    assert prune_policies(cfg, run, 5) == []  # already done
+    assert prune_policies(load_config(None, []), run, 5) == []  # default: keep every one
+    for k in (2, 3):
+        ckpt = run.checkpoint(k)
+        assert sorted(p.name for p in ckpt.iterdir()) == ["WEIGHTS_PRUNED", "manifest.json", "rng.pt"]
+        assert sum(f.stat().st_size for f in ckpt.rglob("*")) < before / 10  # the RNG states remain
+        assert "pruned after iteration 5 (trainer.keep_policies=2)" in (ckpt / WEIGHTS_PRUNED).read_text()
+        for read in (verify_checkpoint, Learner(tiny_policy(), make_cfg()).load_checkpoint):
+            with pytest.raises(
+                CheckpointError,
+                match=r"weights of the checkpoint of iteration \d were pruned after iteration 5",
+            ):
+                read(ckpt)
+    for k in (1, 4, 5):
+        Learner(tiny_policy(), make_cfg()).load_checkpoint(run.checkpoint(k))
+    with pytest.raises(ConfigError, match=r"keep_policies=2 prunes the weights .*monitor\.action=rollback"):
+        load_config(None, ["trainer.keep_policies=2", "monitor.action=rollback"])

@@ -33,6 +33,18 @@ def test_the_estimate_counts_weights_per_checkpoint_and_optimiser_state_where_ke
     assert checkpoint_disk_gib(kept) == pytest.approx(42 * w + 2 * 2 * w)
     half = load_config(overrides=[*base, "trainer.keep_optimizer_states=2", "model.dtype=bf16"])
     assert checkpoint_disk_gib(half) == pytest.approx((42 * w + 4 * w) / 2)
+    # keep_policies=2 with eval_every=5: weights in the 8 validated steps (5, 10, ..., 40) and 39
+    pruned = load_config(overrides=[*base, "trainer.keep_policies=2", "trainer.eval_every=5"])
+    assert checkpoint_disk_gib(pruned) == pytest.approx((9 + 2) * w + 9 * 2 * w)
+    both = load_config(
+        overrides=[
+            *base,
+            "trainer.keep_policies=2",
+            "trainer.eval_every=5",
+            "trainer.keep_optimizer_states=2",
+        ]
+    )
+    assert checkpoint_disk_gib(both) == pytest.approx((9 + 2) * w + 2 * 2 * w)
     # unknown or small: the tiny model, LoRA's adapter-only checkpoints, a folder without safetensors
     assert checkpoint_disk_gib(load_config(overrides=[f"trainer.run_root={tmp_path}"])) is None
     assert checkpoint_disk_gib(load_config(overrides=[*base, "learner.lora.rank=8"])) is None
@@ -59,3 +71,4 @@ def test_a_run_whose_checkpoints_outgrow_the_disk_is_warned_with_the_fix(
     assert warning is not None
     assert f"{need:.1f} GiB" in warning and "ragen train --resume" in warning
     assert "trainer.keep_optimizer_states=2" in warning and "trainer.run_root" in warning
+    assert "trainer.keep_policies=2" in warning
