@@ -205,11 +205,13 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     With ``W`` = the policy's weights x the bytes of ``model.dtype``: the starting policy twice
     (``init_policy``, ``init_checkpoint``), ``W`` for each of ``trainer.iterations`` checkpoints (with
     ``trainer.keep_policies``: the last N and the validated ones), and AdamW's two moments (``2W``) in the
-    last ``trainer.keep_optimizer_states`` of those (in all when it is unset). None where that is small or unknown: the tiny model, LoRA (its checkpoints hold the
-    adapter), a folder without safetensors weights."""
+    last ``trainer.keep_optimizer_states`` of those (in all when it is unset). None where that is small
+    or unknown: the tiny model, LoRA (its checkpoints hold the adapter), a folder without safetensors
+    weights."""
     from ragen_core.config.model import ModelNotFoundError
     from ragen_core.models.policies import torch_dtype
     from ragen_core.models.weights_check import parameter_count
+    from ragen_core.run.stages import eval_due
 
     if cfg.model.builds_tiny or cfg.learner.lora.rank > 0:
         return None
@@ -220,8 +222,6 @@ def checkpoint_disk_gib(cfg: RagenConfig) -> float | None:
     weights = parameter_count(source) if source and Path(source).is_dir() else None
     if weights is None:
         return None
-    from ragen_core.run.stages import eval_due
-
     w = weights * torch_dtype(cfg.model.dtype).itemsize / 2**30
     t = cfg.trainer
     with_weights = t.iterations
