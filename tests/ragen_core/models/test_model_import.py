@@ -55,8 +55,9 @@ def real_gguf() -> Path:
 def imported(tmp_path_factory, request):
     """``(result, seconds)``: SmolLM2 imported from its package into a fresh state folder.
 
-    The folder ends up holding two real-model runs, a rerun and their MLflow models (about 8 GiB), so it
-    is removed when the module is done, unless one of its tests failed (then it stays to be looked at)."""
+    The folder ends up holding the runs' MLflow models (about 1.5 GiB; the runs themselves are in the
+    tests' own folders), so it is removed when the module is done, unless one of its tests failed (then
+    it stays to be looked at)."""
     real_gguf()
     state = tmp_path_factory.mktemp("state")
     failed_before = request.session.testsfailed
@@ -432,7 +433,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_stage(imported):
+def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_stage(imported, tmp_path):
     """configs/bandit-smollm2.yaml through the CLI on a tiny batch (model.imported resolves in the state
     folder the model was imported into), then its learn stage recomputed from disk: bitwise equal."""
     from tests.flows.test_train import ROOT, ragen
@@ -446,7 +447,7 @@ def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_sta
         "rollout.filter.value=0.5",
         "learner.optim.mini_batch_size=2",
         "learner.optim.micro_batch_size=2",
-        f"trainer.run_root={state / 'runs'}",
+        f"trainer.run_root={tmp_path / 'runs'}",  # 3 GiB of checkpoints, removed when the test passes
         "trainer.probe=off",  # the probe of this config: test_the_probe_says_no_go_for_free_decoding...
     ]
     out = ragen(
@@ -461,7 +462,7 @@ def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_sta
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "iteration 1/1 |" in out.stderr
-    (run,) = (state / "runs").glob("smol*")
+    (run,) = (tmp_path / "runs").glob("smol*")
     assert json.loads((run / "iter_0001" / "metrics.json").read_text())["actor/skipped_steps"] == 0
     rerun = ragen(["rerun", run.name, "--iteration", "1", "--stage", "learn"], state)
     assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
@@ -520,7 +521,7 @@ def test_the_probe_says_no_go_for_free_decoding_on_frozenlake_and_go_for_the_ban
     assert verdicts == [("probe-bandit-smollm2", 1.0), ("probe-frozenlake-smollm2-free", 0.0)]
 
 
-def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported):
+def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported, tmp_path):
     """configs/frozenlake-smollm2.yaml (constrained action decoding) for one iteration on a small batch:
     every answer is valid, every turn is recorded as constrained, and the learner's masked log-probs
     equal the rollout's (rollout/old_vs_rollout_logprob_diff)."""
@@ -540,12 +541,12 @@ def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported):
         "learner.optim.micro_batch_size=4",
         "trainer.val_before_train=false",
         "trainer.probe=off",
-        f"trainer.run_root={state / 'runs'}",
+        f"trainer.run_root={tmp_path / 'runs'}",  # 3 GiB of checkpoints, removed when the test passes
     ]
     args = ["train", str(ROOT / "configs" / "frozenlake-smollm2.yaml"), "--name", "fl"]
     out = ragen([*args, *[x for s in sets for x in ("--set", s)]], state)
     assert out.returncode == 0, out.stderr[-3000:]
-    (run,) = (state / "runs").glob("fl*")
+    (run,) = (tmp_path / "runs").glob("fl*")
     rows = pq.read_table(run / "iter_0001" / "rollouts.parquet").to_pylist()
     infos = [json.loads(r["info"]) for r in rows]
     assert all(p == 0 for i in infos for p in i["turn_penalties"])  # every answer valid
