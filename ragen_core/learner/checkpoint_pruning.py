@@ -11,6 +11,15 @@ from pathlib import Path
 from ragen_core.learner.checkpoint import MANIFEST, OPTIM_PRUNED, WEIGHTS_PRUNED
 
 
+def _leave_note(path: Path, name: str, reason: str) -> None:
+    """Write the note ``name`` (its text: ``reason``) into checkpoint folder ``path`` in one rename. It is
+    written before anything is removed, so a crash halfway leaves a folder that says what happened, never
+    one that looks loadable."""
+    tmp = path / f".{name}.tmp-{os.getpid()}"
+    tmp.write_text(reason.rstrip() + "\n")
+    os.replace(tmp, path / name)
+
+
 def prune_optimizer_state(path: str | os.PathLike[str], reason: str) -> bool:
     """Remove a checkpoint's ``optim.pt`` (AdamW keeps two tensors per weight: twice the policy's size),
     leaving ``OPTIM_PRUNED`` with ``reason``; the weights, the RNG states and the manifest stay, and
@@ -19,10 +28,7 @@ def prune_optimizer_state(path: str | os.PathLike[str], reason: str) -> bool:
     optim = path / "optim.pt"
     if not optim.exists():
         return False
-    note = path / OPTIM_PRUNED
-    tmp = path / f".{OPTIM_PRUNED}.tmp-{os.getpid()}"
-    tmp.write_text(reason.rstrip() + "\n")
-    os.replace(tmp, note)  # the note first: a crash between the two leaves a loadable-looking folder never
+    _leave_note(path, OPTIM_PRUNED, reason)
     optim.unlink()
     return True
 
@@ -35,10 +41,7 @@ def prune_weights(path: str | os.PathLike[str], reason: str) -> bool:
     path = Path(path)
     if not (path / MANIFEST).is_file() or (path / WEIGHTS_PRUNED).exists():
         return False
-    note = path / WEIGHTS_PRUNED
-    tmp = path / f".{WEIGHTS_PRUNED}.tmp-{os.getpid()}"
-    tmp.write_text(reason.rstrip() + "\n")
-    os.replace(tmp, note)  # the note first: a crash halfway leaves a folder that says what happened
+    _leave_note(path, WEIGHTS_PRUNED, reason)
     shutil.rmtree(path / "policy", ignore_errors=True)
     for name in ("critic.safetensors", "optim.pt", OPTIM_PRUNED):
         (path / name).unlink(missing_ok=True)
