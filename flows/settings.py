@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ragen_core.priority import lower_priority, nice_increment
-from ragen_core.run.service_watch import LAST_WORDS_VAR
+from ragen_core.run.service_watch import LAST_WORDS_VAR, SAY_FD_VAR
 from ragen_core.state_folder import check_state_dir, state_dir
 
 STATE_DIR = state_dir()
@@ -40,14 +40,32 @@ _watchdog: subprocess.Popen[bytes] | None = None
 # inherits however it was started (Prefect's uvicorn, Ray's daemons that Ray re-parents or puts in
 # sessions of their own). SIGTERM first, SIGKILL after a second, and again for processes started
 # while the tree was going down (a raylet starting a worker).
-# Before that it says the last words its parent could not (ragen_core.run.service_watch): the line of
-# a watched service that is dead by now, when the parent left its file (a normal exit takes it back).
+# It is also the one voice of the parent's service watch (ragen_core.run.service_watch): a line the
+# parent sends on the watchdog's stdin is said at once (and the parent's last-words file removed, which
+# tells the parent it was said); if the parent ends without sending one, the line of a watched service
+# that is dead by now is said from that file (a normal exit takes the file back). Said once either way.
 _WATCHDOG = r"""
-import json, os, signal, sys, time
+import json, os, select, signal, sys, time
 parent, needle, words = int(sys.argv[1]), sys.argv[2].encode() + b"=", sys.argv[3]
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+said, listening = False, True
 while os.getppid() == parent:
-    time.sleep(0.2)
+    if not listening:
+        time.sleep(0.2)
+        continue
+    if not select.select([0], [], [], 0.2)[0]:
+        continue
+    line = os.read(0, 65536).split(b"\n")[0]
+    if not line:  # the parent's end closed: it is ending
+        listening = False
+        continue
+    if not said:
+        os.write(2, line + b"\n")
+        said = True
+    try:
+        os.unlink(words)
+    except OSError:
+        pass
 def alive(pid):
     try:
         with open("/proc/%d/stat" % pid) as f:
@@ -61,9 +79,8 @@ try:
 except (OSError, ValueError):
     lines = {}
 dead = [line for pid, line in lines.items() if not alive(int(pid))]
-if dead:
-    sys.stderr.write(dead[0] + "\n")
-    sys.stderr.flush()
+if dead and not said:
+    os.write(2, dead[0].encode() + b"\n")
 me = os.getpid()
 def tree():
     pids = []
@@ -118,7 +135,7 @@ def start_watchdog() -> str | None:
         _watchdog = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), name, str(words)],
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,  # the service watch's lines (its end is not inherited by children)
             stdout=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -126,6 +143,8 @@ def start_watchdog() -> str | None:
         return None
     os.environ[name] = "1"
     os.environ[LAST_WORDS_VAR.format(pid=os.getpid())] = str(words)
+    assert _watchdog.stdin is not None
+    os.environ[SAY_FD_VAR.format(pid=os.getpid())] = str(_watchdog.stdin.fileno())
     return name
 
 

@@ -8,11 +8,15 @@ driver terminates its own process, with exit code 1 and no message, the moment i
 dead raylet's object store.
 
 The thread cannot always speak first: Ray's driver ends its own process within milliseconds of
-touching a dead raylet's object store, without running any Python. So the line for each watched
-service is also left with the watchdog (``flows.settings.start_watchdog``, a process that outlives
-this one): a file it reads when this process is gone, saying the line of a service that is dead by
-then. A normal exit removes the file, and a service stopped on purpose (``ray.shutdown()``) is taken
-out of it.
+touching a dead raylet's object store, without running any Python, and it can do so between any two
+steps of the thread. So where there is a watchdog (``flows.settings.start_watchdog``, a process that
+outlives this one) it is the one voice, and the line is said exactly once however the race goes:
+- the thread sends the line on the watchdog's stdin (one write), waits (at most a second) until the
+  watchdog has said it, then ends the process, so the line comes before the command's end;
+- the line of each watched service is also left in a file the watchdog reads when this process is
+  gone without having sent one, and says if that service is dead by then. A normal exit removes the
+  file, and a service stopped on purpose (``ray.shutdown()``) is taken out of it.
+Without a watchdog the thread says the line itself.
 
 Ending the process at once is safe: an iteration counts as done only once its ``DONE`` mark is
 written, each file is written whole or not at all, and a resume logs what MLflow lacks, exactly as
@@ -27,6 +31,7 @@ import os
 import select
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +45,10 @@ _watched: set[int] = set()
 _needed: dict[int, str] = {}
 #: The variable that names this process's last-words file (set by the watchdog's starter).
 LAST_WORDS_VAR = "RAGEN_LAST_WORDS_{pid}"
+#: The variable that holds this process's end of the pipe to its watchdog's stdin (set by its starter).
+SAY_FD_VAR = "RAGEN_SAY_FD_{pid}"
+#: How long the watch waits for the watchdog to say its line before ending the process anyway.
+SAY_WAIT_S = 1.0
 
 
 def resume_hint() -> str:
@@ -84,9 +93,11 @@ def watch_services(
                         _needed.pop(pid, None)
                     _leave_last_words()
                     return
-                _take_back_last_words()  # said here: the watchdog must not say it again
-                sys.stderr.write(_line(dead[0], services[dead[0]]) + "\n")
-                sys.stderr.flush()
+                line = _line(dead[0], services[dead[0]])
+                if not _said_by_watchdog(line):
+                    _take_back_last_words()  # said here: the watchdog must not say it again
+                    sys.stderr.write(line + "\n")
+                    sys.stderr.flush()
                 os._exit(1)
         finally:
             for fd in fds:
@@ -108,6 +119,22 @@ def _pidfds(pids: dict[int, str]) -> dict[int, int]:
                 os.close(fd)
             return {}
     return fds
+
+
+def _said_by_watchdog(line: str) -> bool:
+    """Send ``line`` to the watchdog, which says it and then removes the last-words file; True once it
+    was sent (the watchdog says it even if this process ends first), False without a watchdog."""
+    fd, path = os.environ.get(SAY_FD_VAR.format(pid=os.getpid())), _last_words_file()
+    if fd is None or path is None:
+        return False
+    try:
+        os.write(int(fd), line.encode(errors="replace") + b"\n")
+    except (OSError, ValueError):  # the watchdog is gone (or the variable is not ours)
+        return False
+    deadline = time.monotonic() + SAY_WAIT_S
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return True
 
 
 def _line(pid: int, name: str) -> str:
