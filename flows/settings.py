@@ -78,7 +78,12 @@ try:
     os.unlink(words)
 except (OSError, ValueError):
     lines = {}
-dead = [line for pid, line in lines.items() if not alive(int(pid))]
+wait = time.monotonic() + 1.0  # a service killed as its parent ended can take a moment to be gone
+while True:
+    dead = [line for pid, line in lines.items() if not alive(int(pid))]
+    if dead or said or not lines or time.monotonic() > wait:
+        break
+    time.sleep(0.05)
 if dead and not said:
     os.write(2, dead[0].encode() + b"\n")
 me = os.getpid()
