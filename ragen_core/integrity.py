@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from ragen_core.errors import RagenError
+from ragen_core.storage import write_text_whole
 
 SUMS_NAME = "SHA256SUMS"
 _CHUNK = 4 * 2**20
@@ -78,13 +79,9 @@ def read_sums(folder: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def _write_sums(folder: Path, sums: dict[str, str]) -> None:
-    target = _sums_file(folder)
-    tmp = target.with_name(f".{SUMS_NAME}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.writelines(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    write_text_whole(
+        _sums_file(folder), "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items()))
+    )
 
 
 def record(path: str | os.PathLike[str]) -> str:

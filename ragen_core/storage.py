@@ -1,4 +1,5 @@
-"""One clear error for a run artifact that cannot be written (full disk, quota, read-only folder).
+"""Writing files: whole or not at all, and one clear error when they cannot be written (full disk,
+quota, read-only folder).
 
 A bare ``OSError(ENOSPC)`` from deep inside ``fsync`` or a safetensors writer names no file and no
 fix; every writer of a run artifact re-raises it as :class:`StorageWriteError`, which does both and
@@ -23,6 +24,24 @@ class StorageWriteError(OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]" prefix
         return str(self.strerror)
+
+
+def write_text_whole(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it (named for this
+    process), flushed to disk, then renamed over it, so that a reader, a crash or a kill mid-write finds
+    the old file or the new one, never half of one. A failed write removes the temporary file and raises
+    its ``OSError`` as it is (callers that write run artifacts wrap it with :func:`write_error`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_error(path: str | os.PathLike[str], exc: OSError, what: str = "file") -> StorageWriteError:

@@ -9,15 +9,14 @@ import shutil
 from pathlib import Path
 
 from ragen_core.learner.checkpoint import MANIFEST, OPTIM_PRUNED, WEIGHTS_PRUNED
+from ragen_core.storage import write_text_whole
 
 
 def _leave_note(path: Path, name: str, reason: str) -> None:
     """Write the note ``name`` (its text: ``reason``) into checkpoint folder ``path`` in one rename. It is
     written before anything is removed, so a crash halfway leaves a folder that says what happened, never
     one that looks loadable."""
-    tmp = path / f".{name}.tmp-{os.getpid()}"
-    tmp.write_text(reason.rstrip() + "\n")
-    os.replace(tmp, path / name)
+    write_text_whole(path / name, reason.rstrip() + "\n")
 
 
 def prune_optimizer_state(path: str | os.PathLike[str], reason: str) -> bool:

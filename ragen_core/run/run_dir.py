@@ -9,7 +9,6 @@ configured). Nothing here touches torch or Ray.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -33,7 +32,7 @@ from ragen_core.state_folder import (
     run_not_found,
     runs_dir,
 )
-from ragen_core.storage import write_error
+from ragen_core.storage import write_error, write_text_whole
 
 
 class RunFileError(RagenError, ValueError):
@@ -203,19 +202,12 @@ def atomic_write_text(path: Path, text: str, *, record_digest: bool = True) -> N
 
     An ``OSError`` (full disk, read-only folder) is raised as ``StorageWriteError`` naming ``path``.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_text_whole(path, text)
         if record_digest:
             record(path)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise write_error(path, exc) from exc
 
 

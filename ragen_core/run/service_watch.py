@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ragen_core.processes import process_alive
+from ragen_core.storage import write_text_whole
 
 #: How often the watched processes are looked at (seconds) where the kernel cannot wake the watch
 #: when one ends (no pidfd), and how often a pidfd watch checks whether it was stopped.
@@ -156,9 +157,7 @@ def _leave_last_words() -> None:
         _take_back_last_words()
         return
     try:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({str(pid): _line(pid, name) for pid, name in _needed.items()}))
-        os.replace(tmp, path)
+        write_text_whole(path, json.dumps({str(pid): _line(pid, name) for pid, name in _needed.items()}))
     except OSError:  # a courtesy: the in-process watch still works
         return
     if not _registered:

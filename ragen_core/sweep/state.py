@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from ragen_core.run.run_lock import RunLock
+from ragen_core.storage import write_text_whole
 from ragen_core.sweep.spec import SweepConfig, sweep_hash
 
 MemberStatus = Literal["pending", "running", "finished", "failed"]
@@ -63,10 +64,7 @@ class SweepState(BaseModel):
     def save(self, path: str | os.PathLike[str]) -> None:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        # write then rename: a kill mid-write leaves the previous state, never half a file
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, p)
+        write_text_whole(p, self.model_dump_json(indent=2))  # a kill mid-write leaves the previous state
 
 
 def sweep_lock(folder: str | os.PathLike[str]) -> RunLock:
