@@ -8,6 +8,7 @@ is still an ``OSError`` (callers that catch ``OSError`` keep working).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -40,7 +41,8 @@ def write_text_whole(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
         raise
 
 
