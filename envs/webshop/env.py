@@ -45,6 +45,8 @@ RENDER_INSTRUCTIONS: tuple[str, ...] = (
     "Never click description.",
 )
 MAX_ACTION_CHARS = 1000
+#: what the oracle may know when it picks a product on a results page (envs.webshop.oracle)
+ORACLE_SEES = ("goal", "page")
 #: RAGEN's listing of the search action; ``<content>`` is also the answer grammar's free-text slot
 #: (envs.base.ANSWER_SLOT), so constrained decoding spells ``search[`` and ``]`` around free keywords.
 SEARCH_ACTION = f"search[{ANSWER_SLOT}]"
@@ -79,16 +81,21 @@ class WebShopEnv(Env):
         max_query_chars: int = 200,
         render_instructions: bool = True,
         index_dir: str | None = None,
+        oracle_sees: str = "goal",
     ) -> None:
         """``data_dir``: WebShop's data folder (``items_shuffle*.json``, ``items_ins_v2*.json``,
         ``items_human_ins.json``) instead of the generated catalogue; ``num_products`` then keeps the
         first products of the file. ``index_dir``: where the search index is cached (default the
         state folder). ``render_instructions: false`` leaves RAGEN's hint lines out of the state
-        (shorter prompts for a tiny model)."""
+        (shorter prompts for a tiny model). ``oracle_sees``: what the oracle's choice on a results page
+        may use, ``goal`` (it opens the goal's product) or ``page`` (the listed title sharing most words
+        with the instruction, within its price bound: a choice the policy can learn from the page)."""
         if split not in SPLITS:
             raise ValueError(f"WebShop split must be one of {SPLITS}, got {split!r}")
         if max_searches < 1 or max_query_chars < 1:
             raise ValueError("WebShop max_searches and max_query_chars must be >= 1")
+        if oracle_sees not in ORACLE_SEES:
+            raise ValueError(f"WebShop oracle_sees must be one of {ORACLE_SEES}, got {oracle_sees!r}")
         if data_dir:
             self.shop: Shop = original_shop(str(data_dir), num_products, human_goals, index_dir)
         else:
@@ -98,6 +105,7 @@ class WebShopEnv(Env):
         self.max_searches = max_searches
         self.max_query_chars = max_query_chars
         self.render_instructions = render_instructions
+        self.oracle_sees = oracle_sees
         self.actions = None  # free text: the answer is the action string, checked against the page
         # (answer_actions() gives constrained decoding the page's clickables)
         self.goal: Goal | None = None

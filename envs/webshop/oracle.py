@@ -3,12 +3,15 @@
 * search page: ``search[<attributes> <product type>]`` (no options, no price: RAGEN's hint);
 * results page: the goal's product when it is listed; else ``next >`` while the budget still covers
   opening an item, its options and the purchase; else the listed product sharing most words with
-  the goal within its price bound;
+  the goal within its price bound. With ``oracle_sees="page"`` it always opens that last one: the
+  choice a player can make from what the page shows (titles and prices), so demonstrations never ask
+  a policy for the goal's product id, which the results page does not reveal;
 * item page: ``click[<value>]`` for each option value the goal asks for that the item offers, then
   ``click[buy now]`` (sooner when the budget runs out); a tab: ``< prev``.
 
 Like the other environments' oracles it knows the episode (here the goal's product), which makes it
-a teacher for demonstrations, not a baseline for agents.
+a teacher for demonstrations, not a baseline for agents; ``oracle_sees="page"`` is the teacher that
+knows only the instruction and the pages.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class WebShopEnv(Protocol):
     state: PageState
     searches: int
     max_searches: int
+    oracle_sees: str
 
 
 def goal_type(goal: Goal) -> str:
@@ -45,15 +49,18 @@ def _overlap(p: Product, goal: Goal) -> int:
 
 def _results_choice(env: WebShopEnv, goal: Goal, actions_left: int) -> str:
     window = env.state.window()
-    target = next((p for p in window if p.asin == goal.asin), None)
-    if target is None and NEXT in clickables(env.state) and actions_left - 1 >= len(goal.goal_options) + 2:
-        return f"click[{NEXT}]"
-    if target is None:
-        ok = [p for p in window if p.price <= goal.price_upper] or window
-        if not ok:
-            return "click[back to search]"
-        target = max(ok, key=lambda p: _overlap(p, goal))  # max keeps the first of equals: the higher rank
-    return f"click[{target.asin.lower()}]"
+    if env.oracle_sees == "goal":
+        target = next((p for p in window if p.asin == goal.asin), None)
+        budget = actions_left - 1 >= len(goal.goal_options) + 2
+        if target is None and NEXT in clickables(env.state) and budget:
+            return f"click[{NEXT}]"
+        if target is not None:
+            return f"click[{target.asin.lower()}]"
+    ok = [p for p in window if p.price <= goal.price_upper] or window
+    if not ok:
+        return "click[back to search]"
+    best = max(ok, key=lambda p: _overlap(p, goal))  # max keeps the first of equals: the higher rank
+    return f"click[{best.asin.lower()}]"
 
 
 def _item_choice(env: WebShopEnv, goal: Goal, actions_left: int) -> list[str]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 import envs
+from envs.oracles import oracle_actions
 from envs.webshop.env import RENDER_INSTRUCTIONS, random_valid_action
+from envs.webshop.oracle import search_words
 from envs.webshop.pages import MAX_PAGE_CHARS, PRODUCT_WINDOW
 from envs.webshop.shop import goal_index, split_bounds
 
@@ -165,3 +168,40 @@ def test_val_and_train_goals_differ(tmp_path) -> None:
     train.reset(123)
     val.reset(123)
     assert train.goal != val.goal
+
+
+def play_oracle(env, seed: int) -> tuple[float, list[str]]:
+    """The oracle's episode on goal ``seed``, one action a turn: (its success, its actions)."""
+    env.reset(seed)
+    acts: list[str] = []
+    for left in range(9, 0, -1):
+        plan = oracle_actions(env, left, 1)
+        if not plan:
+            break
+        acts.append(plan[0])
+        res = env.step(plan[0])
+        if res.done:
+            return float(res.info["success"]), acts
+    return 0.0, acts
+
+
+def test_an_oracle_that_sees_only_the_pages(tmp_path) -> None:
+    """``oracle_sees: page`` opens the listed title sharing most words with the instruction, so its
+    choice is the same whichever product the goal is; the default oracle opens the goal's own product."""
+    idx = str(tmp_path)
+    page = envs.make("WebShop", num_products=100, index_dir=idx, split="val", oracle_sees="page")
+    goal = envs.make("WebShop", num_products=100, index_dir=idx, split="val")
+    seeds = range(60)
+    page_runs = [play_oracle(page, s) for s in seeds]
+    assert sum(r for r, _ in [play_oracle(goal, s) for s in seeds]) == len(seeds)
+    # fewer successes than the teacher that knows the product, far more than none
+    assert 0.6 * len(seeds) <= sum(r for r, _ in page_runs) < len(seeds)
+    # the same pages with another goal product: the page-only oracle still opens the same item
+    for s in seeds[:20]:
+        page.reset(s)
+        page.step(f"search[{search_words(page.goal)}]")
+        before = oracle_actions(page, 8, 1)
+        page.goal = dataclasses.replace(page.goal, asin="NOT-LISTED")
+        assert oracle_actions(page, 8, 1) == before and before[0] != "click[next >]"
+    with pytest.raises(ValueError, match="oracle_sees"):
+        envs.make("WebShop", num_products=100, index_dir=idx, oracle_sees="all")
