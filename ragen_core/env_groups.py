@@ -382,10 +382,12 @@ class EnvGroups:
     def is_done(self, env_id: int) -> bool:
         return self._states[env_id].done
 
-    def messages(self, env_id: int, for_generation: bool = True) -> list[Message]:
-        """The env's chat messages (generation prompt, or the training conversation)."""
+    def messages(self, env_id: int, for_generation: bool = True, whole: bool = False) -> list[Message]:
+        """The env's chat messages (generation prompt, or the training conversation); ``whole``: every
+        turn, whatever the context window (the transcript of an episode trained turn by turn)."""
         st = self._states[env_id]
-        return build_messages(st.prefix, st.history, self.protocol, st.spec.max_tokens, for_generation)
+        protocol = self.protocol.model_copy(update={"max_context_window": -1}) if whole else self.protocol
+        return build_messages(st.prefix, st.history, protocol, st.spec.max_tokens, for_generation)
 
     def step(self, responses: dict[int, str]) -> dict[int, StepOutcome]:
         """Play one turn in each env of ``responses`` (env_id -> forced prefix + generated text).

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from envs.base import format_reward
 
@@ -68,6 +68,13 @@ class ProtocolConfig(BaseModel):
     max_actions_per_turn: int = 5
     format_penalty: float = -0.1
     max_context_window: int = -1
+    window_training: Literal["last", "every_turn"] = Field(
+        default="last",
+        description="with max_context_window k > 0, which turns train. last: the stored sequence is the "
+        "last k turns and only they train (RAGEN); every_turn: every turn trains on its own prompt, the "
+        "window it was generated from, plus its answer (RAGEN-2's turn-level samples), so an episode's "
+        'early turns get the trajectory\'s advantage too (docs/architecture.md, "Context window")',
+    )
     system_prompt: str = "You're a helpful assistant. "
     max_turn: int = 5
     #: per-episode action budget for every tag (None: each tag's catalogue value); the paper's
@@ -100,6 +107,16 @@ class ProtocolConfig(BaseModel):
         if v != -1 and v < 1:
             raise ValueError("max_context_window must be -1 (full history) or >= 1 (last k turns)")
         return v
+
+    @model_validator(mode="after")
+    def _check_window_training(self) -> ProtocolConfig:
+        if self.window_training == "every_turn" and self.max_context_window < 1:
+            raise ValueError(
+                "window_training=every_turn trains each turn on the context window it was generated from, "
+                "and max_context_window is -1 (full history: one sequence already trains every turn); set "
+                "agent.max_context_window to k >= 1, or agent.window_training=last"
+            )
+        return self
 
     @field_validator("action_sep")
     @classmethod

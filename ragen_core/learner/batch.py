@@ -37,6 +37,10 @@ class TokenBatch:
     #: (B, L, K) int64: the token ids each token was sampled among under constrained decoding, -1-padded;
     #: a position whose row is all -1 was sampled from the whole vocabulary. None: no constrained token
     allowed_token_ids: torch.Tensor | None = None
+    #: (B, L) int64: which of its row's sequences each token belongs to, -1 on padding; a row trained
+    #: turn by turn (``agent.window_training: every_turn``) holds one sequence per turn, each run on its
+    #: own. None: every row is one sequence
+    segments: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -69,7 +73,22 @@ def to_token_batch(table: pa.Table | Mapping[str, Sequence[Any]]) -> TokenBatch:
         turn_scores=_turn_scores(cols["turn_rewards"], infos) if "turn_rewards" in cols else None,
         env_tags=tuple(cols["env_tag"]) if "env_tag" in cols else None,
         allowed_token_ids=_allowed_token_ids(infos, length),
+        segments=_segments(infos, lengths, length),
     )
+
+
+def _segments(infos: Sequence[dict[str, Any]], lengths: torch.Tensor, length: int) -> torch.Tensor | None:
+    """Each token's sequence number within its row (``info["segment_starts"]``), -1 on padding; None when
+    no row holds more than one sequence."""
+    starts = [meta.get("segment_starts") or [0] for meta in infos]
+    if all(len(s) <= 1 for s in starts):
+        return None
+    out = torch.full((len(starts), length), -1, dtype=torch.int64)
+    for i, (row, n) in enumerate(zip(starts, lengths.tolist(), strict=True)):
+        bounds = [*row, n]
+        for k in range(len(row)):
+            out[i, bounds[k] : bounds[k + 1]] = k
+    return out
 
 
 def _info(cols: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -126,8 +145,9 @@ def _check_shapes(batch: TokenBatch) -> int:
             "rollout.filter.value, the fraction of groups kept) or raise the number of env groups"
         )
     token_fields = ["input_ids", "attention_mask", "loss_mask", "turn_index"]
-    if getattr(batch, "rollout_logprobs", None) is not None:
-        token_fields.append("rollout_logprobs")
+    for optional in ("rollout_logprobs", "segments"):
+        if getattr(batch, optional, None) is not None:
+            token_fields.append(optional)
     shapes = {f: tuple(getattr(batch, f).shape) for f in token_fields}
     shapes.update({f: tuple(getattr(batch, f).shape) for f in ("scores", "group_ids")})
     if (
@@ -161,6 +181,15 @@ def _check_tokens(batch: TokenBatch, vocab: int | None) -> None:
         raise BadBatchError("loss_mask has trained tokens on padding (attention_mask 0)")
     if bool(loss_mask[:, 0].any()):
         raise BadBatchError("loss_mask[:, 0] must be 0: the first token has no context to be sampled from")
+    segments = getattr(batch, "segments", None)
+    if segments is not None:
+        opens = torch.zeros_like(loss_mask)
+        opens[:, 1:] = (segments[:, 1:] != segments[:, :-1]) & attention[:, 1:]
+        if bool((opens & loss_mask).any()):
+            raise BadBatchError(
+                "a row's sequence (info['segment_starts']) starts with a trained token, which has no "
+                "context to be sampled from: each turn's sequence must start with its prompt"
+            )
     empty = torch.nonzero(~loss_mask.any(dim=1)).flatten().tolist()
     if empty:
         raise BadBatchError(

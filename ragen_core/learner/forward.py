@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
+    "Segments",
     "StepTensors",
     "decoder_hidden",
     "infer_rows",
@@ -53,6 +54,7 @@ class StepTensors:
     advantages: torch.Tensor  # (B, L)
     old_logp_from_update: bool  # the single update's own forward pass fills old_logp
     allowed: torch.Tensor | None = None  # (B, L, K) constrained tokens' allowed ids, -1-padded
+    segments: torch.Tensor | None = None  # (B, L) each token's sequence in its row (turn-by-turn rows)
 
 
 #: Decoder families whose logits are exactly ``lm_head(last_hidden_state)`` (no soft-capping or
@@ -75,6 +77,46 @@ def to_targets(per_position: torch.Tensor) -> torch.Tensor:
     """Shift outputs at positions 0..L-2 to target positions 1..L-1; target 0 gets 0."""
     x = per_position[:, :-1]
     return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
+
+
+class Segments:
+    """The sequences packed in a batch's rows (a row trained turn by turn holds one per turn, each its own
+    prompt and answer), as index tensors: :meth:`pack` lays them out one per row, each from position 0,
+    and :meth:`unpack` puts per-token results back where their tokens are. Running the packed rows is
+    running each sequence on its own: no token attends to another sequence's, and positions restart."""
+
+    def __init__(self, segments: torch.Tensor) -> None:
+        seg = segments.cpu()
+        rows, cols = torch.nonzero(seg >= 0, as_tuple=True)
+        key = rows * (int(seg.max()) + 1) + seg[rows, cols]
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[1:] = key[1:] != key[:-1]  # nonzero is row-major and a row's sequences are contiguous
+        packed_row = torch.cumsum(first.long(), dim=0) - 1
+        start = cols[first][packed_row]
+        dev = segments.device
+        self.rows, self.cols = rows.to(dev), cols.to(dev)
+        self.packed_row, self.offset = packed_row.to(dev), (cols - start).to(dev)
+        self.n = int(first.sum())
+        self.width = int(self.offset.max()) + 1 if self.n else 0
+
+    @staticmethod
+    def of(segments: torch.Tensor | None) -> Segments | None:
+        """The index of ``segments`` (b, l); None when no row holds more than one sequence."""
+        if segments is None or int(segments.max()) < 1:
+            return None
+        return Segments(segments)
+
+    def pack(self, x: torch.Tensor, fill: float | bool) -> torch.Tensor:
+        """(b, l, ...) -> (sequences, longest sequence, ...), ``fill`` after each sequence's end."""
+        out = x.new_full((self.n, self.width, *x.shape[2:]), fill)
+        out[self.packed_row, self.offset] = x[self.rows, self.cols]
+        return out
+
+    def unpack(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """(sequences, longest sequence) -> ``shape`` (b, l), 0 on padding; gradients flow through."""
+        out = y.new_zeros(shape)
+        out[self.rows, self.cols] = y[self.packed_row, self.offset]
+        return out
 
 
 #: a shared prefix shorter than this is not worth a second forward pass
@@ -142,8 +184,11 @@ def token_logprobs(
     entropy_grad: bool = True,
     allowed: torch.Tensor | None = None,
     shared_prefix: bool = False,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
+
+    ``segments`` (b, l): rows that hold several sequences (:class:`Segments`) run each on its own.
 
     ``allowed`` (b, l, K): for tokens sampled under constrained decoding, the ids they were sampled
     among (-1-padded; all -1 elsewhere). Their distribution is the softmax over those ids alone,
@@ -156,6 +201,20 @@ def token_logprobs(
     log-softmax's backward). The forward pass runs inside ``autocast``; with ``shared_prefix`` (those
     families only) the rows' common leading tokens run once (:func:`decoder_hidden`).
     """
+    packed = Segments.of(segments)
+    if packed is not None:
+        logp_p, entropy_p = token_logprobs(
+            model,
+            packed.pack(input_ids, 0),
+            packed.pack(mask, False),
+            autocast,
+            with_entropy,
+            entropy_grad,
+            None if allowed is None else packed.pack(allowed, -1),
+            shared_prefix,
+        )
+        unpacked = None if entropy_p is None else packed.unpack(entropy_p, mask.shape)
+        return packed.unpack(logp_p, mask.shape), unpacked
     targets = mask[:, 1:]
     with autocast:
         if _model_type(model) in _HEAD_ONLY_ON_MASK:
@@ -179,9 +238,16 @@ def token_logprobs(
 
 
 def token_values(
-    critic: ValueModel, input_ids: torch.Tensor, autocast: AbstractContextManager[object]
+    critic: ValueModel,
+    input_ids: torch.Tensor,
+    autocast: AbstractContextManager[object],
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The critic's value of each target position (from the output before it), (b, l), float32 at least."""
+    """The critic's value of each target position (from the output before it), (b, l), float32 at least;
+    rows of several sequences (``segments``, :class:`Segments`) run each on its own."""
+    packed = Segments.of(segments)
+    if packed is not None:
+        return packed.unpack(token_values(critic, packed.pack(input_ids, 0), autocast), input_ids.shape)
     with autocast:
         values = critic(input_ids)
     return to_targets(values.float() if values.dtype in (torch.bfloat16, torch.float16) else values)
@@ -189,7 +255,7 @@ def token_values(
 
 @torch.no_grad()
 def infer_rows(
-    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
     input_ids: torch.Tensor,
     mask: torch.Tensor,
     lengths: torch.Tensor,
@@ -198,10 +264,11 @@ def infer_rows(
     rank: int = 0,
     world_size: int = 1,
     allowed: torch.Tensor | None = None,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run ``fn(ids, mask, allowed) -> (b, l)`` over rank ``rank``'s contiguous share of the rows in
-    micro-batches (each trimmed to its longest row; ``allowed``: the rows' slice of it, or None),
-    then all-reduce, so every rank holds the whole (B, L) result."""
+    """Run ``fn(ids, mask, allowed, segments) -> (b, l)`` over rank ``rank``'s contiguous share of the
+    rows in micro-batches (each trimmed to its longest row; ``allowed``, ``segments``: the rows' slices
+    of them, or None), then all-reduce, so every rank holds the whole (B, L) result."""
     batch, length = input_ids.shape
     out = torch.zeros(batch, length, dtype=dtype, device=input_ids.device)
     lo, hi = split(batch, world_size)[rank]
@@ -209,7 +276,10 @@ def infer_rows(
         end = min(start + micro_batch_size, hi)
         width = int(lengths[start:end].max())
         part = None if allowed is None else allowed[start:end, :width]
-        out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width], part).to(dtype)
+        seg = None if segments is None else segments[start:end, :width]
+        out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width], part, seg).to(
+            dtype
+        )
     if world_size > 1:
         dist.all_reduce(out)
     return out

@@ -208,6 +208,7 @@ class Learner:
         with_entropy: bool = False,
         entropy_grad: bool = True,
         allowed: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward.token_logprobs`` of ``model`` under this learner's autocast."""
         return token_logprobs(
@@ -219,24 +220,28 @@ class Learner:
             entropy_grad,
             allowed,
             shared_prefix=self.cfg.shared_prefix,
+            segments=segments,
         )
 
-    def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _values(self, input_ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         assert self.critic is not None
-        return token_values(self.critic, input_ids, self._autocast())
+        return token_values(self.critic, input_ids, self._autocast(), segments)
 
     def _infer(
         self,
-        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+        fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
         input_ids: torch.Tensor,
         mask: torch.Tensor,
         lengths: torch.Tensor,
         dtype: torch.dtype,
         allowed: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``forward.infer_rows`` over this rank's share of the rows, in micro-batches."""
         mbs = self.cfg.optim.micro_batch_size
-        return infer_rows(fn, input_ids, mask, lengths, dtype, mbs, self.rank, self.world_size, allowed)
+        return infer_rows(
+            fn, input_ids, mask, lengths, dtype, mbs, self.rank, self.world_size, allowed, segments
+        )
 
     @torch.no_grad()
     def cross_logprobs(
@@ -251,7 +256,7 @@ class Learner:
         input_ids, mask, lengths = prompt_response_rows(prompts, responses)
         fdtype = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
         logp = self._infer(
-            lambda ids, m, a: self._logprobs(self.policy, ids, m)[0],
+            lambda ids, m, a, s: self._logprobs(self.policy, ids, m)[0],
             input_ids.to(self.device),
             mask.to(self.device),
             lengths.to(self.device),
@@ -354,6 +359,9 @@ class Learner:
         allowed = getattr(batch, "allowed_token_ids", None)
         if allowed is not None:
             allowed = allowed[:, :width].to(dev)
+        segments = getattr(batch, "segments", None)
+        if segments is not None:
+            segments = segments[:, :width].to(dev)
         # One update on the whole batch from the current weights: its own forward pass gives the old
         # log-probs (filled in by _update before the loss reads them).
         from_update = (
@@ -365,24 +373,36 @@ class Learner:
             and not alg.use_kl_in_reward
         )
         empty = torch.zeros_like(maskf)  # the estimator's outputs, filled in by the step
-        data = StepTensors(input_ids, mask, lengths, maskf, None, None, empty, empty, from_update, allowed)
+        data = StepTensors(
+            input_ids, mask, lengths, maskf, None, None, empty, empty, from_update, allowed, segments
+        )
         data.old_logp = self._old_logprobs(batch, data, behaviour_logprobs, timing)
         if alg.use_ref:
             t = time.perf_counter()
             with self._ref_policy() as ref:
                 data.ref_logp = self._infer(
-                    lambda ids, m, a: self._logprobs(ref, ids, m, allowed=a)[0],
+                    lambda ids, m, a, s: self._logprobs(ref, ids, m, allowed=a, segments=s)[0],
                     input_ids,
                     mask,
                     lengths,
                     fdtype,
                     allowed,
+                    segments,
                 )
             timing["ref"] = time.perf_counter() - t
         if self.critic is not None:
             t = time.perf_counter()
             data.values = (
-                self._infer(lambda ids, m, a: self._values(ids), input_ids, mask, lengths, fdtype) * maskf
+                self._infer(
+                    lambda ids, m, a, s: self._values(ids, s),
+                    input_ids,
+                    mask,
+                    lengths,
+                    fdtype,
+                    None,
+                    segments,
+                )
+                * maskf
             )
             timing["values"] = time.perf_counter() - t
         return data, batch.scores.to(dev, fdtype)
@@ -405,12 +425,13 @@ class Learner:
             return torch.zeros_like(maskf)
         t = time.perf_counter()
         old_logp = self._infer(
-            lambda ids, m, a: self._logprobs(self.policy, ids, m, allowed=a)[0],
+            lambda ids, m, a, s: self._logprobs(self.policy, ids, m, allowed=a, segments=s)[0],
             data.input_ids,
             data.mask,
             data.lengths,
             maskf.dtype,
             data.allowed,
+            data.segments,
         )
         timing["old_log_prob"] = time.perf_counter() - t
         return old_logp
@@ -496,7 +517,9 @@ class Learner:
         alg = self.cfg.algorithm
         assert data.values is not None  # a critic's step computed them
         mask = data.mask[idx, :width]
-        vpred = self._values(data.input_ids[idx, :width])
+        vpred = self._values(
+            data.input_ids[idx, :width], None if data.segments is None else data.segments[idx, :width]
+        )
         loss, m = value_loss(
             vpred,
             data.values[idx, :width],
@@ -532,6 +555,7 @@ class Learner:
             with_entropy=True,
             entropy_grad=alg.entropy_coeff != 0,
             allowed=None if data.allowed is None else data.allowed[idx, :width],
+            segments=None if data.segments is None else data.segments[idx, :width],
         )
         if data.old_logp_from_update:
             data.old_logp[idx, :width] = logp.detach() * mask

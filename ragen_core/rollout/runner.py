@@ -93,6 +93,8 @@ class SampledTurn:
     allowed: list[tuple[int, ...] | None] = field(default_factory=list)
     #: "constrained" or "free": how this turn's answer was decoded
     decoding: str = "free"
+    #: the prompt it was sampled after (kept only with ``agent.window_training: every_turn``)
+    prompt: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -204,6 +206,35 @@ class Segments:
                 add(self.encode(self.continuation(messages[:end])), 0, t + 1)
         return ids, mask, turn_idx, logps, allowed
 
+    def per_turn(
+        self, turns: Sequence[SampledTurn]
+    ) -> tuple[list[int], list[int], list[int], list[float], list[list[int]], list[int]]:
+        """:meth:`assemble`'s outputs for an episode trained turn by turn (``agent.window_training:
+        every_turn``), plus where each turn's sequence starts: turn k's sequence is the prompt it was
+        sampled after (``turns[k].prompt``, its context window) followed by what it sampled, and the
+        sequences follow one another in turn order."""
+        ids: list[int] = []
+        mask: list[int] = []
+        turn_idx: list[int] = []
+        logps: list[float] = []
+        allowed: list[list[Any]] = []
+        starts: list[int] = []
+        for t, turn in enumerate(turns):
+            starts.append(len(ids))
+            answer = turn.ids if turn.closed else [*turn.ids, self.eos_id]
+            allowed.extend(
+                [len(ids) + len(turn.prompt) + j, list(a)]
+                for j, a in enumerate(turn.allowed)
+                if a is not None
+            )
+            ids.extend([*turn.prompt, *answer])
+            mask.extend([0] * len(turn.prompt) + [1] * len(turn.ids) + [0] * (len(answer) - len(turn.ids)))
+            turn_idx.extend([t] * (len(turn.prompt) + len(answer)))
+            logps.extend(
+                [0.0] * len(turn.prompt) + list(turn.logprobs) + [0.0] * (len(answer) - len(turn.ids))
+            )
+        return ids, mask, turn_idx, logps, allowed, starts
+
 
 def run_rollouts(
     groups: EnvGroups,
@@ -256,6 +287,7 @@ class _Episodes:
         self.convs = {i: _Conversation() for i in groups.env_ids}
         self.progress = _Progress(self.split, len(self.convs), protocol.max_turn)
         self.constrained = protocol.action_decoding == "constrained"
+        self.every_turn = self.window > 0 and protocol.window_training == "every_turn"
         self.grammars: dict[tuple[str, ...], ActionGrammar] = {}
 
     def constraint(self, env_id: int) -> AnswerConstraint | None:
@@ -305,7 +337,7 @@ class _Episodes:
         else:
             gens = self.engine.generate(prompts, self.params, seeds)
         responses = {}
-        for env_id, gen, constraint in zip(active, gens, constraints, strict=True):
+        for env_id, prompt, gen, constraint in zip(active, prompts, gens, constraints, strict=True):
             ids = list(gen.token_ids)
             closed = gen.finish_reason == "stop" and bool(ids) and ids[-1] == seg.eos_id
             self.convs[env_id].turns.append(
@@ -315,6 +347,7 @@ class _Episodes:
                     closed=closed,
                     allowed=list(gen.allowed),
                     decoding="free" if constraint is None else "constrained",
+                    prompt=list(prompt) if self.every_turn else [],
                 )
             )
             responses[env_id] = self.prefix + self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -325,7 +358,16 @@ class _Episodes:
     def trajectory(self, ep: EpisodeSummary, run_id: str, iteration: int) -> Trajectory:
         """The trajectory of the finished episode ``ep`` (an ``EnvGroups.trajectories()`` entry)."""
         messages, turns, start = self.visible(ep.env_id, False)
-        ids, mask, turn_idx, logps, allowed = self.seg.assemble(messages, turns, start)
+        segment_starts: list[int] = []
+        if self.every_turn:
+            messages, turns, start = (
+                self.groups.messages(ep.env_id, False, whole=True),
+                self.convs[ep.env_id].turns,
+                0,
+            )
+            ids, mask, turn_idx, logps, allowed, segment_starts = self.seg.per_turn(turns)
+        else:
+            ids, mask, turn_idx, logps, allowed = self.seg.assemble(messages, turns, start)
         # Transcripts keep what the model actually wrote (the history holds normalised text).
         raw = [r.raw_response or "" for r in self.groups.history(ep.env_id) if r.played]
         shown = [dict(m) for m in messages]
@@ -372,5 +414,11 @@ class _Episodes:
                 "first_trained_turn": start,
                 "infos": ep.infos,
                 **decoding,
+                # every turn's own sequence (its prompt, then its answer), one after another
+                **(
+                    {"segment_starts": segment_starts, "context_window": self.window}
+                    if self.every_turn
+                    else {}
+                ),
             },
         )

@@ -74,8 +74,12 @@ def turns_of(row: Mapping[str, Any]) -> list[Turn]:
     for t in range(n_turns):
         j = t - start  # the turn's place among the stored assistant messages
         pos = assistant_at[j] if 0 <= j < len(assistant_at) else None
-        # With a window that cut earlier turns, only the last turn's window is the prompt it was given.
-        exact_prompt = pos is not None and (start == 0 or t == n_turns - 1)
+        # With a window that cut earlier turns, only the last turn's window is the prompt it was given;
+        # trained turn by turn, the messages hold every turn, and a turn past the window saw less of them.
+        if "segment_starts" in info:
+            exact_prompt = pos is not None and t < int(info.get("context_window", 0) or 0)
+        else:
+            exact_prompt = pos is not None and (start == 0 or t == n_turns - 1)
         out.append(_turn(row, info, messages, t, pos, exact_prompt))
     return out
 

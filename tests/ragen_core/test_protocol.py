@@ -71,6 +71,8 @@ def test_config_defaults_are_ragen_base_yaml() -> None:
         {"action_sep": ""},
         {"max_turn": 0},
         {"no_such_key": 1},
+        {"window_training": "every_turn"},  # the full history already trains every turn
+        {"window_training": "each", "max_context_window": 1},
     ],
 )
 def test_config_rejects(kwargs: dict) -> None:
@@ -80,6 +82,14 @@ def test_config_rejects(kwargs: dict) -> None:
 
 def test_config_accepts_edges() -> None:
     ProtocolConfig(max_context_window=1, format_penalty=0.0, action_sep="|", max_actions_per_turn=1)
+    ProtocolConfig(max_context_window=1, window_training="every_turn")
+
+
+def test_every_turn_without_a_window_names_the_keys_and_the_fix() -> None:
+    with pytest.raises(
+        ValidationError, match=r"set agent.max_context_window to k >= 1, or agent.window_training=last"
+    ):
+        ProtocolConfig(window_training="every_turn")
 
 
 # ------------------------------------------------------------------------------- prefix

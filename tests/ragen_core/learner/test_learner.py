@@ -370,6 +370,12 @@ def test_bad_input_raises_clear_errors_and_changes_nothing():
         (subset(good, torch.arange(8) < 3), r"optim\.mini_batch_size=4 .* 3 trajectories"),
         (_replace(good, input_ids=good.input_ids + 100), "vocabulary"),
         (_replace(good, loss_mask=torch.zeros_like(good.loss_mask)), "no trained token"),
+        (  # a second sequence that opens on the first answer token (position 4)
+            _replace(
+                good, segments=torch.where(good.attention_mask == 1, (torch.arange(14) >= 4).long(), -1)
+            ),
+            "starts with a trained token",
+        ),
     ]
     for batch, pattern in cases:
         with pytest.raises(BadBatchError, match=pattern):
@@ -511,3 +517,79 @@ def test_behaviour_logprobs_set_the_old_policy_of_the_ratio(estimator):
             _replace(batch, rollout_logprobs=torch.zeros_like(batch.loss_mask)), behaviour_logprobs=True
         )
     assert max_diff(before, weights(untouched.policy)) == 0
+
+
+def segmented_batch(policy: Qwen2ForCausalLM, n: int = 6, seed: int = 0) -> TokenBatch:
+    """Rows of two or three sequences (``agent.window_training: every_turn``): each a shared 6-token
+    opening, a few prompt tokens of its own and a 2-3 token answer, run from position 0; the rollout
+    log-probs are the policy's own on each sequence alone."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(1, VOCAB, (6,), generator=g).tolist()
+    rows, masks, turns, starts, lps = [], [], [], [], []
+    for _ in range(n):
+        ids: list[int] = []
+        mask: list[int] = []
+        turn: list[int] = []
+        lp: list[float] = []
+        row_starts = []
+        for k in range(int(torch.randint(2, 4, (), generator=g))):
+            own = torch.randint(1, VOCAB, (int(torch.randint(1, 4, (), generator=g)),), generator=g).tolist()
+            answer = torch.randint(
+                1, VOCAB, (int(torch.randint(2, 4, (), generator=g)),), generator=g
+            ).tolist()
+            seq = head + own + answer
+            with torch.no_grad():
+                out = policy(input_ids=torch.tensor([seq])).logits[0, :-1].float().log_softmax(-1)
+            got = out.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+            row_starts.append(len(ids))
+            ids += seq
+            mask += [0] * (len(seq) - len(answer)) + [1] * len(answer)
+            turn += [k] * len(seq)
+            lp += [0.0] * (len(seq) - len(answer)) + got[-len(answer) :]
+        rows.append(ids), masks.append(mask), turns.append(turn), starts.append(row_starts), lps.append(lp)
+    width = max(len(r) for r in rows)
+
+    def pad(x: list[list[float]], dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+        return torch.tensor([r + [fill] * (width - len(r)) for r in x], dtype=dtype)
+
+    segments = [
+        [k for k, (a, b) in enumerate(zip(s, [*s[1:], len(r)], strict=True)) for _ in range(b - a)]
+        for s, r in zip(starts, rows, strict=True)
+    ]
+    return TokenBatch(
+        input_ids=pad(rows, torch.long),
+        attention_mask=pad([[1] * len(r) for r in rows], torch.long),
+        loss_mask=pad(masks, torch.float32),
+        turn_index=pad(turns, torch.long),
+        rollout_logprobs=pad(lps, torch.float32),
+        scores=torch.randn(n, generator=g),
+        group_ids=torch.arange(n) // 3,
+        segments=pad(segments, torch.long, -1),
+    )
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+def test_rows_trained_turn_by_turn_run_each_sequence_on_its_own(estimator):
+    """A row of several sequences (each turn's own prompt and answer): the learner's old, reference and
+    updated log-probs are those of each sequence alone (the rollout's), with a critic, a KL term, micro-
+    batches and the shared opening; the same batch read as single sequences gives other log-probs."""
+    policy = tiny_policy(dtype=torch.float64)
+    batch = segmented_batch(policy)
+    results = []
+    for shared, micro in ((False, 2), (True, 2), (False, 6)):
+        cfg = make_cfg(
+            adv_estimator=estimator,
+            use_kl_loss=True,
+            kl_loss_coef=0.1,
+            optim={"mini_batch_size": 6, "micro_batch_size": micro, "old_logprobs_from_update": False},
+        ).model_copy(update={"shared_prefix": shared})
+        learner = Learner(tiny_policy(dtype=torch.float64), cfg)
+        metrics = learner.step(batch)
+        assert metrics["rollout/old_vs_rollout_logprob_max_diff"] < 1e-6, metrics
+        results.append(weights(learner.policy))
+    assert max(max_diff(results[0], w) for w in results[1:]) < 1e-6
+    plain = Learner(
+        tiny_policy(dtype=torch.float64), make_cfg(adv_estimator=estimator, optim={"mini_batch_size": 6})
+    )
+    merged = plain.step(_replace(batch, segments=None))
+    assert merged["rollout/old_vs_rollout_logprob_max_diff"] > 1e-3

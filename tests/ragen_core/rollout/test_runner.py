@@ -29,11 +29,13 @@ def policy():
     return build_tiny_policy(TINY)
 
 
-def sokoban_rollouts(policy, n_groups=16, group_size=4, max_turn=3, max_new_tokens=24, seed=7, window=-1):
+def sokoban_rollouts(
+    policy, n_groups=16, group_size=4, max_turn=3, max_new_tokens=24, seed=7, window=-1, training="last"
+):
     model, tok = policy
     groups = EnvGroups(
         EnvGroupsConfig(tags=["SimpleSokoban"], n_groups=[n_groups], group_size=group_size),
-        ProtocolConfig(max_turn=max_turn, max_context_window=window),
+        ProtocolConfig(max_turn=max_turn, max_context_window=window, window_training=training),
     )
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     return run_rollouts(
@@ -125,6 +127,43 @@ def test_context_window_trains_only_the_last_window(policy):
         # the last turn only (docs/architecture.md, "Deliberate differences from RAGEN": context window)
         assert len(runs) == 1
         assert "Turn 2:" not in (t.messages[1]["content"])
+
+
+def test_every_turn_training_stores_each_turn_after_the_prompt_it_was_sampled_from(policy):
+    """agent.window_training=every_turn: a row holds one sequence per turn, its context window and its
+    answer; the same episodes as the last-window rows, every turn trained, and the learner's log-probs
+    of each sequence run on its own equal the rollout's."""
+    from ragen_core.learner.batch import to_token_batch
+    from ragen_core.learner.forward import token_logprobs
+    from ragen_core.trajectory import to_table
+
+    model, tok = policy
+    last = sokoban_rollouts(policy, n_groups=2, group_size=2, max_turn=3, window=1)
+    every = sokoban_rollouts(policy, n_groups=2, group_size=2, max_turn=3, window=1, training="every_turn")
+    assert any(t.turn_count > 1 for t in every)
+    for a, b in zip(last, every, strict=True):
+        assert (a.actions, a.score) == (b.actions, b.score)  # the training mode does not change the play
+        starts = b.info["segment_starts"]
+        assert len(starts) == b.turn_count == len(spans(b.loss_mask))  # one trained answer per turn
+        assert b.input_ids[starts[-1] :] == a.input_ids  # the last sequence is the last window's row
+        for k, s in enumerate(starts):
+            head = tok.decode(b.input_ids[s : s + 12])
+            assert head.startswith("<|im_start|>system"), head
+            assert set(b.turn_index[s : [*starts, len(b.input_ids)][k + 1]]) == {k}
+        assert b.info["first_trained_turn"] == 0
+        assert sum(m["role"] == "assistant" for m in b.messages) == b.turn_count  # the whole transcript
+    batch = to_token_batch(to_table(every))
+    assert batch.segments is not None
+    mask = batch.loss_mask != 0
+    with torch.no_grad():
+        logp, _ = token_logprobs(
+            model, batch.input_ids, mask, torch.autocast("cpu", enabled=False), segments=batch.segments
+        )
+        whole, _ = token_logprobs(model, batch.input_ids, mask, torch.autocast("cpu", enabled=False))
+    gap = (logp - batch.rollout_logprobs)[mask].abs().max()
+    assert gap <= 1e-4, gap
+    later = mask & (batch.segments > 0)
+    assert (whole - batch.rollout_logprobs)[later].abs().max() > 1e-3  # run as one sequence, they differ
 
 
 def test_same_seed_same_parquet_bytes_in_two_processes(policy, tmp_path):
