@@ -32,6 +32,7 @@ __all__ = [
     "decoder_hidden",
     "infer_rows",
     "prompt_response_rows",
+    "rows_of",
     "shared_prefix_length",
     "to_targets",
     "token_logprobs",
@@ -117,6 +118,11 @@ class Segments:
         out = y.new_zeros(shape)
         out[self.rows, self.cols] = y[self.packed_row, self.offset]
         return out
+
+
+def rows_of(x: torch.Tensor | None, rows: torch.Tensor | slice, width: int) -> torch.Tensor | None:
+    """``x[rows, :width]``, for the optional per-token tensors (allowed ids, segments); None stays None."""
+    return None if x is None else x[rows, :width]
 
 
 #: a shared prefix shorter than this is not worth a second forward pass
@@ -275,8 +281,7 @@ def infer_rows(
     for start in range(lo, hi, micro_batch_size):
         end = min(start + micro_batch_size, hi)
         width = int(lengths[start:end].max())
-        part = None if allowed is None else allowed[start:end, :width]
-        seg = None if segments is None else segments[start:end, :width]
+        part, seg = rows_of(allowed, slice(start, end), width), rows_of(segments, slice(start, end), width)
         out[start:end, :width] = fn(input_ids[start:end, :width], mask[start:end, :width], part, seg).to(
             dtype
         )

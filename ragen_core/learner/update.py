@@ -69,6 +69,7 @@ from ragen_core.learner.forward import (
     StepTensors,
     infer_rows,
     prompt_response_rows,
+    rows_of,
     token_logprobs,
     token_values,
 )
@@ -356,12 +357,10 @@ class Learner:
         mask = (batch.loss_mask[:, :width] != 0).to(dev)
         fdtype = torch.promote_types(next(self.policy.parameters()).dtype, torch.float32)
         maskf = mask.to(fdtype)
-        allowed = getattr(batch, "allowed_token_ids", None)
-        if allowed is not None:
-            allowed = allowed[:, :width].to(dev)
-        segments = getattr(batch, "segments", None)
-        if segments is not None:
-            segments = segments[:, :width].to(dev)
+        allowed, segments = (  # the optional per-token tensors, trimmed and moved like the others
+            None if x is None else x[:, :width].to(dev)
+            for x in (getattr(batch, "allowed_token_ids", None), getattr(batch, "segments", None))
+        )
         # One update on the whole batch from the current weights: its own forward pass gives the old
         # log-probs (filled in by _update before the loss reads them).
         from_update = (
@@ -392,18 +391,10 @@ class Learner:
             timing["ref"] = time.perf_counter() - t
         if self.critic is not None:
             t = time.perf_counter()
-            data.values = (
-                self._infer(
-                    lambda ids, m, a, s: self._values(ids, s),
-                    input_ids,
-                    mask,
-                    lengths,
-                    fdtype,
-                    None,
-                    segments,
-                )
-                * maskf
+            values = self._infer(
+                lambda ids, m, a, s: self._values(ids, s), input_ids, mask, lengths, fdtype, segments=segments
             )
+            data.values = values * maskf
             timing["values"] = time.perf_counter() - t
         return data, batch.scores.to(dev, fdtype)
 
@@ -517,9 +508,7 @@ class Learner:
         alg = self.cfg.algorithm
         assert data.values is not None  # a critic's step computed them
         mask = data.mask[idx, :width]
-        vpred = self._values(
-            data.input_ids[idx, :width], None if data.segments is None else data.segments[idx, :width]
-        )
+        vpred = self._values(data.input_ids[idx, :width], rows_of(data.segments, idx, width))
         loss, m = value_loss(
             vpred,
             data.values[idx, :width],
@@ -554,8 +543,8 @@ class Learner:
             mask,
             with_entropy=True,
             entropy_grad=alg.entropy_coeff != 0,
-            allowed=None if data.allowed is None else data.allowed[idx, :width],
-            segments=None if data.segments is None else data.segments[idx, :width],
+            allowed=rows_of(data.allowed, idx, width),
+            segments=rows_of(data.segments, idx, width),
         )
         if data.old_logp_from_update:
             data.old_logp[idx, :width] = logp.detach() * mask
