@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
-    "Segments",
+    "RowSequences",
     "StepTensors",
     "decoder_hidden",
     "infer_rows",
@@ -80,7 +80,7 @@ def to_targets(per_position: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
 
 
-class Segments:
+class RowSequences:
     """The sequences packed in a batch's rows (a row trained turn by turn holds one per turn, each its own
     prompt and answer), as index tensors: :meth:`pack` lays them out one per row, each from position 0,
     and :meth:`unpack` puts per-token results back where their tokens are. Running the packed rows is
@@ -101,11 +101,11 @@ class Segments:
         self.width = int(self.offset.max()) + 1 if self.n else 0
 
     @staticmethod
-    def of(segments: torch.Tensor | None) -> Segments | None:
+    def of(segments: torch.Tensor | None) -> RowSequences | None:
         """The index of ``segments`` (b, l); None when no row holds more than one sequence."""
         if segments is None or int(segments.max()) < 1:
             return None
-        return Segments(segments)
+        return RowSequences(segments)
 
     def pack(self, x: torch.Tensor, fill: float | bool) -> torch.Tensor:
         """(b, l, ...) -> (sequences, longest sequence, ...), ``fill`` after each sequence's end."""
@@ -194,7 +194,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob (and entropy) of each trained target token t from the output at t - 1, shape (b, l).
 
-    ``segments`` (b, l): rows that hold several sequences (:class:`Segments`) run each on its own.
+    ``segments`` (b, l): rows that hold several sequences (:class:`RowSequences`) run each on its own.
 
     ``allowed`` (b, l, K): for tokens sampled under constrained decoding, the ids they were sampled
     among (-1-padded; all -1 elsewhere). Their distribution is the softmax over those ids alone,
@@ -207,7 +207,7 @@ def token_logprobs(
     log-softmax's backward). The forward pass runs inside ``autocast``; with ``shared_prefix`` (those
     families only) the rows' common leading tokens run once (:func:`decoder_hidden`).
     """
-    packed = Segments.of(segments)
+    packed = RowSequences.of(segments)
     if packed is not None:
         logp_p, entropy_p = token_logprobs(
             model,
@@ -250,8 +250,8 @@ def token_values(
     segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The critic's value of each target position (from the output before it), (b, l), float32 at least;
-    rows of several sequences (``segments``, :class:`Segments`) run each on its own."""
-    packed = Segments.of(segments)
+    rows of several sequences (``segments``, :class:`RowSequences`) run each on its own."""
+    packed = RowSequences.of(segments)
     if packed is not None:
         return packed.unpack(token_values(critic, packed.pack(input_ids, 0), autocast), input_ids.shape)
     with autocast:

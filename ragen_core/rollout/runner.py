@@ -179,32 +179,18 @@ class Segments:
         ``messages`` alternate ``system, user, (assistant, user)*[, assistant]``; the k-th assistant
         message is ``turns[k]``, which is turn ``first_turn + k`` of the episode (0-based).
         """
-        ids: list[int] = []
-        mask: list[int] = []
-        turn_idx: list[int] = []
-        logps: list[float] = []
-        allowed: list[list[Any]] = []
-
-        def add(new: list[int], m: int, t: int, lp: Sequence[float] | None = None) -> None:
-            ids.extend(new)
-            mask.extend([m] * len(new))
-            turn_idx.extend([t] * len(new))
-            logps.extend(lp if lp is not None else [0.0] * len(new))
-
-        add(self.encode(self.head(messages)), 0, first_turn)
+        out = _TokenRows()
+        out.add(self.encode(self.head(messages)), 0, first_turn)
         n_assistant = sum(1 for m in messages if m["role"] == "assistant")
         if n_assistant != len(turns):
             raise AssertionError(f"{n_assistant} assistant messages but {len(turns)} sampled turns")
         for k, turn in enumerate(turns):
             t = first_turn + k
-            allowed.extend([len(ids) + j, list(a)] for j, a in enumerate(turn.allowed) if a is not None)
-            add(turn.ids, 1, t, turn.logprobs)
-            if not turn.closed:
-                add([self.eos_id], 0, t)
+            out.add_sampled(turn, t, self.eos_id)
             end = 2 + 2 * k + 2  # messages[: end] ends with the user message after this turn
             if end <= len(messages):
-                add(self.encode(self.continuation(messages[:end])), 0, t + 1)
-        return ids, mask, turn_idx, logps, allowed
+                out.add(self.encode(self.continuation(messages[:end])), 0, t + 1)
+        return out.ids, out.mask, out.turn_idx, out.logps, out.allowed
 
     def per_turn(
         self, turns: Sequence[SampledTurn]
@@ -213,27 +199,38 @@ class Segments:
         every_turn``), plus where each turn's sequence starts: turn k's sequence is the prompt it was
         sampled after (``turns[k].prompt``, its context window) followed by what it sampled, and the
         sequences follow one another in turn order."""
-        ids: list[int] = []
-        mask: list[int] = []
-        turn_idx: list[int] = []
-        logps: list[float] = []
-        allowed: list[list[Any]] = []
+        out = _TokenRows()
         starts: list[int] = []
         for t, turn in enumerate(turns):
-            starts.append(len(ids))
-            answer = turn.ids if turn.closed else [*turn.ids, self.eos_id]
-            allowed.extend(
-                [len(ids) + len(turn.prompt) + j, list(a)]
-                for j, a in enumerate(turn.allowed)
-                if a is not None
-            )
-            ids.extend([*turn.prompt, *answer])
-            mask.extend([0] * len(turn.prompt) + [1] * len(turn.ids) + [0] * (len(answer) - len(turn.ids)))
-            turn_idx.extend([t] * (len(turn.prompt) + len(answer)))
-            logps.extend(
-                [0.0] * len(turn.prompt) + list(turn.logprobs) + [0.0] * (len(answer) - len(turn.ids))
-            )
-        return ids, mask, turn_idx, logps, allowed, starts
+            starts.append(len(out.ids))
+            out.add(turn.prompt, 0, t)
+            out.add_sampled(turn, t, self.eos_id)
+        return out.ids, out.mask, out.turn_idx, out.logps, out.allowed, starts
+
+
+@dataclass
+class _TokenRows:
+    """A training sequence being built: tokens, loss mask, turn index, log-probs and the constrained
+    tokens' ``[position, allowed ids]`` pairs."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn_idx: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    allowed: list[list[Any]] = field(default_factory=list)
+
+    def add(self, new: Sequence[int], m: int, t: int, lp: Sequence[float] | None = None) -> None:
+        self.ids.extend(new)
+        self.mask.extend([m] * len(new))
+        self.turn_idx.extend([t] * len(new))
+        self.logps.extend(lp if lp is not None else [0.0] * len(new))
+
+    def add_sampled(self, turn: SampledTurn, t: int, eos_id: int) -> None:
+        """Turn ``t``'s sampled tokens (trained), then the end-of-turn token the runner closed it with."""
+        self.allowed.extend([len(self.ids) + j, list(a)] for j, a in enumerate(turn.allowed) if a is not None)
+        self.add(turn.ids, 1, t, turn.logprobs)
+        if not turn.closed:
+            self.add([eos_id], 0, t)
 
 
 def run_rollouts(
@@ -357,7 +354,6 @@ class _Episodes:
 
     def trajectory(self, ep: EpisodeSummary, run_id: str, iteration: int) -> Trajectory:
         """The trajectory of the finished episode ``ep`` (an ``EnvGroups.trajectories()`` entry)."""
-        messages, turns, start = self.visible(ep.env_id, False)
         segment_starts: list[int] = []
         if self.every_turn:
             messages, turns, start = (
@@ -367,6 +363,7 @@ class _Episodes:
             )
             ids, mask, turn_idx, logps, allowed, segment_starts = self.seg.per_turn(turns)
         else:
+            messages, turns, start = self.visible(ep.env_id, False)
             ids, mask, turn_idx, logps, allowed = self.seg.assemble(messages, turns, start)
         # Transcripts keep what the model actually wrote (the history holds normalised text).
         raw = [r.raw_response or "" for r in self.groups.history(ep.env_id) if r.played]
