@@ -15,6 +15,11 @@ with the config's own sampling and decoding and measures (docs/metrics.md, "Lear
   ``p_v`` the share of all episodes scoring ``v``: what the share would be if every group drew from one
   score distribution (an upper estimate when some maps are always won and others always lost).
 
+Beside them, ``probe/chance_success`` and ``probe/chance_success_val``: the success of uniformly random
+valid answers (:func:`chance_success`) on the same train episodes and on the validation episodes, with
+the config's turns and action budget. A policy that succeeds no more often than that does not yet read
+the state; the validation figure is the floor a trained policy's validation success is read against.
+
 The verdict is *go* when the expected number of varied groups per iteration,
 ``varied_group_share * sum(train.n_groups)``, is at least :data:`MIN_VARIED_GROUPS`: then an
 iteration is expected to hold a group whose advantages are not zero. The reason and the change to try
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,11 +40,24 @@ from typing import Any
 import torch
 
 from ragen_core.config import RagenConfig
+from ragen_core.env_groups import EnvGroups
+from ragen_core.protocol import join_actions, normalized_response
 
-__all__ = ["MIN_VARIED_GROUPS", "ProbeResult", "probe", "record_probe", "varied_group_share"]
+__all__ = [
+    "CHANCE_EPISODES",
+    "MIN_VARIED_GROUPS",
+    "ProbeResult",
+    "chance_success",
+    "probe",
+    "record_probe",
+    "varied_group_share",
+]
 
 #: Go when an iteration is expected to hold at least this many groups with unequal rewards.
 MIN_VARIED_GROUPS = 1.0
+#: Episodes of random valid play behind each chance figure (:func:`chance_success`): a standard error of
+#: at most 0.008.
+CHANCE_EPISODES = 4096
 #: Below this share of valid answers the advice is constrained decoding (or a warm start).
 LOW_VALID_SHARE = 0.2
 
@@ -72,13 +91,49 @@ class ProbeResult:
             f"{int(m['probe/n_groups'])} (go at >= {MIN_VARIED_GROUPS:g})",
             f"  success / score      {m['probe/success']:.3f} / {m['probe/score_mean']:.3f}",
         ]
+        if "probe/chance_success" in m:
+            out.append(
+                f"  chance               {m['probe/chance_success']:.3f} success of random valid answers on "
+                f"these episodes, {m['probe/chance_success_val']:.3f} on the validation episodes"
+            )
         out += [f"  try: {a}" for a in self.advice]
         if self.go and m["probe/success"] == 0.0:
             out.append(
                 "  caution: no episode succeeded; the rewards differ by the environment's step rewards alone "
                 "(e.g. Sokoban's -0.1 a move), which RL can learn without learning the task"
             )
+        if "probe/chance_success" in m and 0.0 < m["probe/success"] <= m["probe/chance_success"]:
+            out.append(
+                f"  caution: the policy succeeds no more often than random valid answers "
+                f"({m['probe/success']:.3f} against {m['probe/chance_success']:.3f}): it does not yet read "
+                "the state, and RL must teach it to before success can rise above chance"
+            )
         return out
+
+
+def chance_success(
+    groups: EnvGroups, episodes: int = CHANCE_EPISODES, seed: int = 0, seed_round: int = 0
+) -> float:
+    """The success rate of uniformly random valid answers over at least ``episodes`` episodes: every env
+    of ``groups`` played as often as that takes, each play reset for ``seed_round`` (so on the seeds a
+    rollout of that round plays), each turn's answer
+    drawn by the env's :meth:`~envs.base.Env.random_answer` (1-3 actions, each uniform over the
+    vocabulary; WebShop: one of the page's actions) and played through the same turns, action budget
+    and parser as a policy's answers. Draws only from ``random.Random(seed)``: reproducible."""
+    rng, cfg = random.Random(seed), groups.protocol
+    wins = played = 0
+    for _ in range(math.ceil(episodes / max(1, len(groups)))):
+        groups.reset(seed_round)
+        while active := groups.active_ids():
+            answers = {}
+            for env_id in active:
+                actions = groups.env(env_id).random_answer([], cfg.max_actions_per_turn, rng)
+                answers[env_id] = normalized_response("", join_actions(actions, cfg), cfg)
+            groups.step(answers)
+        summaries = groups.trajectories()
+        wins += sum(ep.success for ep in summaries)
+        played += len(summaries)
+    return wins / max(1, played)
 
 
 def varied_group_share(scores: Sequence[float], group_size: int) -> float:
@@ -139,7 +194,6 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     decoding) with its starting policy, and judge whether RL can learn from them."""
     import time
 
-    from ragen_core.env_groups import EnvGroups
     from ragen_core.models.policies import policy_from_config
     from ragen_core.protocol import forced_prefix
     from ragen_core.rollout.constrained import ActionGrammar
@@ -191,6 +245,8 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     }
     if mass is not None:
         metrics["probe/action_mass"] = mass
+    metrics["probe/chance_success"] = chance_success(env_groups, seed=seed, seed_round=10_000)
+    metrics["probe/chance_success_val"] = chance_success(EnvGroups(cfg.val, cfg.agent, mode="val"), seed=seed)
     expected = varied * g.num_groups
     go = expected >= MIN_VARIED_GROUPS
     if go:

@@ -117,3 +117,64 @@ def test_a_go_without_any_success_says_the_rewards_differ_by_step_rewards_alone(
     )
     metrics["probe/success"] = 0.1
     assert not any("caution" in line for line in ProbeResult(metrics, True, "r").lines())
+
+
+def test_chance_success_plays_random_valid_answers_through_the_turns_and_the_parser():
+    """A reference walk of the same boards: each turn, every live env in order draws its random answer
+    from the one generator and steps it action by action, until a hole or the goal or the last turn."""
+    import random
+
+    import envs
+    from ragen_core.env_groups import EnvGroups
+    from ragen_core.run.probe import chance_success
+
+    cfg = load_config(None, [*UNTRAINED, "agent.max_turn=3", "agent.max_actions_per_turn=3"])
+    groups = EnvGroups(cfg.val.model_copy(update={"n_groups": [3], "group_size": 2}), cfg.agent, mode="val")
+    seeds = groups.seeds_for(0)
+    rng, wins, played = random.Random(5), 0, 0
+    for _ in range(40):  # 40 plays of 6 envs: 240 episodes
+        lakes = [envs.make("FrozenLake", **cfg.val.env_overrides.get("FrozenLake", {})) for _ in seeds]
+        for lake, seed in zip(lakes, seeds, strict=True):
+            lake.reset(seed)
+        live = list(range(len(lakes)))
+        for _ in range(3):
+            for i in list(live):
+                for action in lakes[i].random_answer([], 3, rng):
+                    if lakes[i].step(action).done:
+                        live.remove(i)
+                        break
+        wins += sum(lake.success for lake in lakes)
+        played += len(lakes)
+    assert chance_success(groups, episodes=240, seed=5) == wins / played
+    assert 0.0 < wins / played < 0.5  # random walks sometimes reach the goal, mostly not
+    assert chance_success(groups, episodes=240, seed=5) == chance_success(groups, episodes=240, seed=5)
+
+
+def test_a_policy_no_better_than_random_answers_is_told_it_does_not_read_the_state():
+    from ragen_core.run.probe import ProbeResult
+
+    metrics = {
+        "probe/valid_answer_share": 1.0,
+        "probe/turns": 48.0,
+        "probe/varied_group_share": 0.5,
+        "probe/varied_group_share_pooled": 0.6,
+        "probe/groups": 4.0,
+        "probe/group_size": 4.0,
+        "probe/varied_groups_per_iteration": 8.0,
+        "probe/n_groups": 16.0,
+        "probe/success": 0.0625,
+        "probe/score_mean": 0.0625,
+        "probe/chance_success": 0.106,
+        "probe/chance_success_val": 0.124,
+    }
+    lines = ProbeResult(metrics, True, "r").lines()
+    assert (
+        "  chance               0.106 success of random valid answers on these episodes, 0.124 on the "
+        "validation episodes" in lines
+    )
+    assert any(
+        line.startswith("  caution: the policy succeeds no more often than random valid answers")
+        for line in lines
+    )
+    metrics["probe/success"] = 0.25
+    assert not any("caution" in line for line in ProbeResult(metrics, True, "r").lines())
