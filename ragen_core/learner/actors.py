@@ -190,6 +190,20 @@ def init_ray(
     """
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
+    with ray_sessions.keeps_sigterm_handler():
+        _start_or_join(num_cpus, num_gpus, object_store_memory, address, env_vars)
+    resources: dict[str, Any] = ray.cluster_resources()
+    return resources
+
+
+def _start_or_join(
+    num_cpus: int | None,
+    num_gpus: int | None,
+    object_store_memory: int,
+    address: str | None,
+    env_vars: dict[str, str] | None,
+) -> None:
+    """:func:`init_ray`'s work: join ``address`` or start a cluster of our own; nothing when Ray is up."""
     if not ray.is_initialized():
         runtime_env = {"env_vars": {**RAY_ENV, **(env_vars or {})}}
         address = address or os.environ.get("RAY_ADDRESS") or None
@@ -227,8 +241,6 @@ def init_ray(
                     f"the local Ray cluster came up on {node_ip}, not on 127.0.0.1: this Ray "
                     f"version ({ray.__version__}) needs a new way to keep it on loopback"
                 )
-    resources: dict[str, Any] = ray.cluster_resources()
-    return resources
 
 
 @contextlib.contextmanager

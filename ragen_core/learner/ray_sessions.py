@@ -1,5 +1,5 @@
 """The Ray clusters a run starts for itself: a start that times out, named (:func:`named_start_failure`),
-and their session folders (``/tmp/ray/session_<date>_<pid>``):
+the caller's SIGTERM handler kept through the start (:func:`keeps_sigterm_handler`), and their session folders (``/tmp/ray/session_<date>_<pid>``):
 removed when the process ends, and those of earlier processes that were killed before they could
 remove theirs, at the next start. Ray keeps every session's folder (logs, sockets, spilled objects),
 so a day of runs left 29 of them.
@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +146,17 @@ def named_start_failure() -> Iterator[None]:
             "machine is quieter (a run that got a folder continues with `ragen train --resume RUN_ID`; "
             "`ragen show` lists them), or --set trainer.backend=local to train without Ray"
         ) from exc
+
+
+@contextlib.contextmanager
+def keeps_sigterm_handler() -> Iterator[None]:
+    """Put the caller's SIGTERM handler back after ``ray.init()``, which makes a driver's SIGTERM a bare
+    ``sys.exit``: under the CLI a SIGTERM (``timeout``, a scheduler, ``kill``) then ended a ray-backend
+    run as a Prefect crash, without the line saying how to resume. A default handler stays Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)

@@ -189,6 +189,17 @@ def _advice(valid: float, mass: float | None, varied: float, cfg: RagenConfig) -
     return out
 
 
+def _chance_metrics(cfg: RagenConfig, probed: EnvGroups, seed: int) -> dict[str, float]:
+    """Chance on the probe's own train episodes (seed round 10000) and on the validation seeds; none
+    where a tag is played over the wire (thousands of episodes on someone's server)."""
+    if cfg.train.remote or cfg.val.remote:
+        return {}
+    return {
+        "probe/chance_success": chance_success(probed, seed=seed, seed_round=10_000),
+        "probe/chance_success_val": chance_success(EnvGroups(cfg.val, cfg.agent, mode="val"), seed=seed),
+    }
+
+
 def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     """Play ``groups`` groups of the config's train environments (at its group size, sampling and
     decoding) with its starting policy, and judge whether RL can learn from them."""
@@ -245,11 +256,7 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     }
     if mass is not None:
         metrics["probe/action_mass"] = mass
-    if not cfg.train.remote and not cfg.val.remote:  # thousands of episodes over the wire: not for a probe
-        metrics["probe/chance_success"] = chance_success(env_groups, seed=seed, seed_round=10_000)
-        metrics["probe/chance_success_val"] = chance_success(
-            EnvGroups(cfg.val, cfg.agent, mode="val"), seed=seed
-        )
+    metrics.update(_chance_metrics(cfg, env_groups, seed))
     expected = varied * g.num_groups
     go = expected >= MIN_VARIED_GROUPS
     if go:

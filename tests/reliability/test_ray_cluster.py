@@ -170,3 +170,23 @@ def test_a_local_cluster_that_does_not_start_in_time_is_one_line_with_the_fix(
     with pytest.raises(Exception, match="something else") as err2:  # other failures pass through as they are
         init_ray()
     assert not isinstance(err2.value, RayStartError)
+
+
+def test_the_callers_sigterm_handler_outlives_ray_init(no_ray) -> None:
+    """ray.init() makes a driver's SIGTERM ``sys.exit``: a SIGTERM to `ragen train` on the ray backend
+    then ended in Prefect's "Crash detected" and no line saying how to resume. The CLI's handler (which
+    unwinds the run as Ctrl-C does) must still be the one after the cluster starts."""
+    import signal
+
+    def ours(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        init_ray(num_cpus=1, object_store_memory=128 * 1024**2)
+        assert signal.getsignal(signal.SIGTERM) is ours
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
