@@ -269,7 +269,8 @@ def learnability_check(cfg: RagenConfig) -> None:
 
     from ragen_core.run.probe import probe
 
-    result = probe(cfg, groups=min(4, cfg.train.num_groups))  # never more than an iteration plays
+    # never more than an iteration plays; chance (thousands of random episodes) is `ragen probe`'s alone
+    result = probe(cfg, groups=min(4, cfg.train.num_groups), chance=False)
     log = logging.getLogger("ragen.progress")
     if result.go:
         log.info("learnability probe: %s", result.lines()[0])

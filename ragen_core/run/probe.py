@@ -200,9 +200,10 @@ def _chance_metrics(cfg: RagenConfig, probed: EnvGroups, seed: int) -> dict[str,
     }
 
 
-def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
+def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0, chance: bool = True) -> ProbeResult:
     """Play ``groups`` groups of the config's train environments (at its group size, sampling and
-    decoding) with its starting policy, and judge whether RL can learn from them."""
+    decoding) with its starting policy, and judge whether RL can learn from them; ``chance`` adds the
+    success of random valid answers beside (:func:`chance_success`)."""
     import time
 
     from ragen_core.models.policies import policy_from_config
@@ -256,7 +257,8 @@ def probe(cfg: RagenConfig, groups: int = 4, seed: int = 0) -> ProbeResult:
     }
     if mass is not None:
         metrics["probe/action_mass"] = mass
-    metrics.update(_chance_metrics(cfg, env_groups, seed))
+    if chance:
+        metrics.update(_chance_metrics(cfg, env_groups, seed))
     expected = varied * g.num_groups
     go = expected >= MIN_VARIED_GROUPS
     if go:

@@ -66,6 +66,7 @@ def test_preflight_probe_warns_or_stops_as_the_config_asks(caplog):
     with caplog.at_level(logging.WARNING, logger="ragen.progress"):
         learnability_check(load_config(None, UNTRAINED))  # warn: logs, does not raise
     assert "learnability probe (trainer.probe=warn" in caplog.text
+    assert "random valid answers" not in caplog.text  # chance is `ragen probe`'s alone: no run start pays it
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ragen.progress"):
         learnability_check(load_config(None, [*UNTRAINED, "trainer.probe=off"]))
