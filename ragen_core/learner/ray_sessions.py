@@ -1,6 +1,6 @@
 """The Ray clusters a run starts for itself: a start that times out, named (:func:`named_start_failure`),
-the caller's SIGTERM handler kept through the start (:func:`keeps_sigterm_handler`), and their session folders (``/tmp/ray/session_<date>_<pid>``):
-removed when the process ends, and those of earlier processes that were killed before they could
+the caller's SIGTERM handler kept through the start (:func:`keeps_sigterm_handler`), and their session
+folders (``/tmp/ray/session_<date>_<pid>``): removed when the process ends, and those of earlier processes that were killed before they could
 remove theirs, at the next start. Ray keeps every session's folder (logs, sockets, spilled objects),
 so a day of runs left 29 of them.
 

@@ -114,12 +114,13 @@ class ProbeResult:
 def chance_success(
     groups: EnvGroups, episodes: int = CHANCE_EPISODES, seed: int = 0, seed_round: int = 0
 ) -> float:
-    """The success rate of uniformly random valid answers over at least ``episodes`` episodes: every env
-    of ``groups`` played as often as that takes, each play reset for ``seed_round`` (so on the seeds a
-    rollout of that round plays), each turn's answer
-    drawn by the env's :meth:`~envs.base.Env.random_answer` (1-3 actions, each uniform over the
-    vocabulary; WebShop: one of the page's actions) and played through the same turns, action budget
-    and parser as a policy's answers. Draws only from ``random.Random(seed)``: reproducible."""
+    """The success rate of uniformly random valid answers over at least ``episodes`` episodes.
+
+    Every env of ``groups`` is played as often as that takes, each play reset for ``seed_round`` (so on
+    the seeds a rollout of that round plays). Each turn's answer is the env's
+    :meth:`~envs.base.Env.random_answer` (1 to min(3, ``agent.max_actions_per_turn``) actions, each
+    uniform over the vocabulary; WebShop: one of the page's actions), played through the same turns,
+    action budget and parser as a policy's answers. Draws only from ``random.Random(seed)``."""
     rng, cfg = random.Random(seed), groups.protocol
     wins = played = 0
     for _ in range(math.ceil(episodes / max(1, len(groups)))):
