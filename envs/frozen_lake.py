@@ -84,6 +84,7 @@ class FrozenLakeEnv(Env):
         think_holes: bool = False,
         coordinates: bool = False,
         cell_separator: str = "",
+        directions: bool = False,
     ) -> None:
         """``map_seed`` fixes the map for every episode (``reset(seed)`` then only drives the slips);
         ``desc`` (rows of ``S``/``F``/``H``/``G``, exactly one ``S``) fixes a hand-made map. By default the
@@ -92,7 +93,10 @@ class FrozenLakeEnv(Env):
         goal's, the player's and the holes' (row, column) under the grid, as RAGEN's grid-plus-coordinates
         observation does: a small language model reads a position more easily than a 2-D layout.
         ``cell_separator`` goes between the cells of each row (``" "``: one token per cell for a BPE
-        tokenizer, which otherwise merges runs like ``GP__``); ``""`` is RAGEN's rendering."""
+        tokenizer, which otherwise merges runs like ``GP__``); ``""`` is RAGEN's rendering. ``directions`` adds
+        the board as the player sees it (not RAGEN's): how many moves Down/Up and Right/Left the goal is,
+        and which moves fall into a hole, so that a policy can act on the text without locating cells in
+        the grid."""
         if desc is not None:
             desc = [str(row) for row in desc]
             if len({len(row) for row in desc}) != 1 or "".join(desc).count("S") != 1:
@@ -108,6 +112,7 @@ class FrozenLakeEnv(Env):
         self.think_holes = think_holes
         self.coordinates = coordinates
         self.cell_separator = cell_separator_setting(cell_separator)
+        self.directions = directions
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)
@@ -204,26 +209,14 @@ class FrozenLakeEnv(Env):
         return self._observation(self._data, self.state)
 
     def _observation(self, data: MapData, state: int) -> str:
-        """The grid, and with ``coordinates`` the positions under it (zero-indexed (row, column))."""
-        grid = separate_cells(data.render(state), self.cell_separator)
-        if not self.coordinates:
-            return grid
-        ncol = data.ncol
-
-        def cells(indices: Sequence[int]) -> str:
-            return ", ".join(f"({i // ncol}, {i % ncol})" for i in indices)
-
-        tile = data.flat[state]
-        player = {"G": "Player on goal", "H": "Player in hole"}.get(tile, "Player")
-        holes = [i for i, ch in enumerate(data.flat) if ch == "H"]
-        lines = [
-            f"Board size: {len(data.desc)} rows x {ncol} cols (zero-indexed).",
-            f"Goal: {cells(sorted(data.goal_states))}",
-            f"{player}: {cells([state])}",
-        ]
-        if holes:
-            lines.append(f"Holes: {cells(holes)}")
-        return grid + "\n" + "\n".join(lines)
+        """The grid, then with ``coordinates`` the positions (zero-indexed (row, column)) and with
+        ``directions`` the goal and the holes as moves from the player."""
+        lines = [separate_cells(data.render(state), self.cell_separator)]
+        if self.coordinates:
+            lines += _coordinate_lines(data, state)
+        if self.directions:
+            lines += _direction_lines(data, state)
+        return "\n".join(lines)
 
     @property
     def done(self) -> bool:
@@ -287,19 +280,57 @@ class FrozenLakeEnv(Env):
     def hole_moves(self) -> list[int]:
         """The actions (indices into ``ACTIONS``) whose intended move from the player's cell enters a
         hole; a move off the board stays put, so it never does."""
-        if not self.desc:
+        if self._data is None:
             raise RuntimeError("FrozenLakeEnv.hole_moves() before reset(seed)")
-        r, c = divmod(self.state, self.ncol)
-        steps = {LEFT: (0, -1), DOWN: (1, 0), RIGHT: (0, 1), UP: (-1, 0)}
-        out = []
-        for a, (dr, dc) in steps.items():
-            rr, cc = r + dr, c + dc
-            if 0 <= rr < self.nrow and 0 <= cc < self.ncol and self.desc[rr][cc] == "H":
-                out.append(a)
-        return out
+        return _hole_moves(self._data, self.state)
 
 
-# Oracle ------------------------------------------------------------------------------------------
+def _hole_moves(data: MapData, state: int) -> list[int]:
+    r, c = divmod(state, data.ncol)
+    steps = {LEFT: (0, -1), DOWN: (1, 0), RIGHT: (0, 1), UP: (-1, 0)}
+    out = []
+    for a, (dr, dc) in steps.items():
+        rr, cc = r + dr, c + dc
+        if 0 <= rr < len(data.desc) and 0 <= cc < data.ncol and data.desc[rr][cc] == "H":
+            out.append(a)
+    return out
+
+
+def _coordinate_lines(data: MapData, state: int) -> list[str]:
+    """RAGEN's grid-plus-coordinates lines: the board's size, the goal, the player and the holes."""
+    ncol = data.ncol
+
+    def cells(indices: Sequence[int]) -> str:
+        return ", ".join(f"({i // ncol}, {i % ncol})" for i in indices)
+
+    tile = data.flat[state]
+    player = {"G": "Player on goal", "H": "Player in hole"}.get(tile, "Player")
+    holes = [i for i, ch in enumerate(data.flat) if ch == "H"]
+    lines = [
+        f"Board size: {len(data.desc)} rows x {ncol} cols (zero-indexed).",
+        f"Goal: {cells(sorted(data.goal_states))}",
+        f"{player}: {cells([state])}",
+    ]
+    if holes:
+        lines.append(f"Holes: {cells(holes)}")
+    return lines
+
+
+def _direction_lines(data: MapData, state: int) -> list[str]:
+    """``Goal: 2 Down, 1 Left.`` and ``Holes next to you: Right.`` (moves in ``ACTIONS`` order, or
+    ``none``); ``Goal: reached.`` and ``You fell into a hole.`` once the episode has ended."""
+    if data.flat[state] == "G":
+        return ["Goal: reached."]
+    if data.flat[state] == "H":
+        return ["You fell into a hole."]
+    r, c = divmod(state, data.ncol)
+    gr, gc = divmod(min(data.goal_states), data.ncol)
+    parts = [f"{abs(gr - r)} {'Down' if gr > r else 'Up'}"] if gr != r else []
+    parts += [f"{abs(gc - c)} {'Right' if gc > c else 'Left'}"] if gc != c else []
+    holes = " ".join(ACTIONS[a] for a in _hole_moves(data, state))
+    return [f"Goal: {', '.join(parts)}.", f"Holes next to you: {holes or 'none'}."]
+
+
 def _table_of(
     env_or_desc: FrozenLakeEnv | Sequence[str], is_slippery: bool
 ) -> tuple[dict[int, dict[int, list[Transition]]], int]:

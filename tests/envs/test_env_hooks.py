@@ -219,6 +219,27 @@ def test_frozenlake_coordinates_name_the_goal_the_player_and_the_holes_under_the
     assert "Player in hole: (1, 1)" in lake.step("Right").observation
 
 
+def test_frozenlake_directions_give_the_goal_and_the_holes_as_moves_from_the_player():
+    """``directions``: the goal as counts of moves and the neighbouring holes as moves, recomputed each step;
+    the grid above them and the dynamics are RAGEN's."""
+    desc = ["SFH", "FHF", "FFG"]
+    lake = envs.make("FrozenLake", desc=desc, is_slippery=False, directions=True)
+    plain = envs.make("FrozenLake", desc=desc, is_slippery=False)
+    first = lake.reset(0)
+    assert first.splitlines()[:3] == plain.reset(0).splitlines()
+    assert first.splitlines()[3:] == ["Goal: 2 Down, 2 Right.", "Holes next to you: none."]
+    step = lake.step("Down")
+    assert step.observation.splitlines()[3:] == ["Goal: 1 Down, 2 Right.", "Holes next to you: Right."]
+    assert step.observation.splitlines()[:3] == plain.step("Down").observation.splitlines()
+    assert lake.step("Right").observation.endswith("\nYou fell into a hole.")
+    lake.reset(0)
+    for move in ["Down", "Down", "Right"]:
+        lake.step(move)
+    assert lake.step("Right").observation.endswith("\nGoal: reached.") and lake.success
+    goal_above = envs.make("FrozenLake", desc=["FG", "SH"], is_slippery=False, directions=True)
+    assert goal_above.reset(0).splitlines()[2:] == ["Goal: 1 Up, 1 Right.", "Holes next to you: Right."]
+
+
 @pytest.mark.parametrize(
     ("tag", "kwargs"),
     [("FrozenLake", {"desc": ["SFH", "FHF", "FFG"], "is_slippery": False}), ("SimpleSokoban", {})],
