@@ -331,6 +331,7 @@ def _direction_lines(data: MapData, state: int) -> list[str]:
     return [f"Goal: {', '.join(parts)}.", f"Holes next to you: {holes or 'none'}."]
 
 
+# Oracle ------------------------------------------------------------------------------------------
 def _table_of(
     env_or_desc: FrozenLakeEnv | Sequence[str], is_slippery: bool
 ) -> tuple[dict[int, dict[int, list[Transition]]], int]:
