@@ -36,13 +36,9 @@ from typing import Any, ClassVar
 
 from envs.base import Env, StepResult, cell_label, cell_separator_setting, invalid_step, separate_cells
 from envs.frozen_lake_maps import (
-    DOWN,
-    LEFT,
-    RIGHT,
     SLIP_FIRST,
     SLIP_SECOND,
     UNIT,
-    UP,
     MapData,
     Stream,
     Transition,
@@ -286,14 +282,8 @@ class FrozenLakeEnv(Env):
 
 
 def _hole_moves(data: MapData, state: int) -> list[int]:
-    r, c = divmod(state, data.ncol)
-    steps = {LEFT: (0, -1), DOWN: (1, 0), RIGHT: (0, 1), UP: (-1, 0)}
-    out = []
-    for a, (dr, dc) in steps.items():
-        rr, cc = r + dr, c + dc
-        if 0 <= rr < len(data.desc) and 0 <= cc < data.ncol and data.desc[rr][cc] == "H":
-            out.append(a)
-    return out
+    # the map's own move table (what step() moves by); a bump into the border stays on ``state``
+    return [a for a, cell in enumerate(data.moves[state]) if cell != state and data.flat[cell] == "H"]
 
 
 def _coordinate_lines(data: MapData, state: int) -> list[str]:
