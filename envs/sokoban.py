@@ -251,9 +251,13 @@ class SokobanEnv(Env):
         dim_y: int | None = None,
         max_solution_length: int | None = None,
         cell_separator: str = "",
+        directions: bool = False,
     ) -> None:
         """``cell_separator`` goes between the cells of each row (``" "``: one token per cell for a BPE
-        tokenizer, which otherwise merges runs like ``####``); ``""`` is RAGEN's rendering."""
+        tokenizer, which otherwise merges runs like ``####``); ``""`` is RAGEN's rendering. ``directions``
+        adds the room as the player sees it (not RAGEN's): the box as moves from the player, the target as
+        moves from the box, and which moves walk into a wall, so that a policy can act on the text without
+        locating cells in the grid (one box only)."""
         rows, cols = (int(d) for d in dim_room)
         self.dim_room: tuple[int, int] = (
             rows if dim_x is None else int(dim_x),
@@ -263,6 +267,11 @@ class SokobanEnv(Env):
             raise ValueError(f"dim_room must be at least 3x3, got {self.dim_room}")
         if num_boxes < 1:
             raise ValueError(f"num_boxes must be >= 1, got {num_boxes}")
+        if directions and num_boxes != 1:
+            raise ValueError(
+                f"directions describes one box and its target, got num_boxes={num_boxes}: set num_boxes: 1 "
+                "or directions: false"
+            )
         if max_solution_length is not None and max_solution_length < 1:
             raise ValueError(f"max_solution_length must be >= 1 or None, got {max_solution_length}")
         self.num_boxes = int(num_boxes)
@@ -270,6 +279,7 @@ class SokobanEnv(Env):
         self.search_depth = int(search_depth)
         self.max_solution_length = max_solution_length
         self.cell_separator = cell_separator_setting(cell_separator)
+        self.directions = bool(directions)
         # YAML gives int keys, JSON str keys: accept both.
         lookup = {int(k): str(v) for k, v in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
         if sorted(lookup) != list(range(7)) or len(set(lookup.values())) != 7:
@@ -380,7 +390,8 @@ class SokobanEnv(Env):
         grid = render_room(
             self._height, self._width, self._floor, self._targets, self._boxes, self._player, self.grid_lookup
         )
-        return separate_cells(grid, self.cell_separator)
+        grid = separate_cells(grid, self.cell_separator)
+        return "\n".join([grid, *_direction_lines(self.state)]) if self.directions else grid
 
     # Oracle and demonstrations ------------------------------------------------------------------------
     def oracle_actions(self, actions_left: int, max_actions: int, turns_left: int) -> list[str]:
@@ -403,3 +414,29 @@ class SokobanEnv(Env):
             f"Player {cell_label(st.player, st.width)}, {b_word} {boxes}, {t_word} {targets}. "
             f"I should go {first}."
         )
+
+
+def _moves_between(cell: int, other: int, width: int) -> str:
+    """``2 Down, 1 Left``: how many moves along each axis lead from ``cell`` to ``other``."""
+    (r, c), (r2, c2) = divmod(cell, width), divmod(other, width)
+    parts = [f"{abs(r2 - r)} {'Down' if r2 > r else 'Up'}"] if r2 != r else []
+    parts += [f"{abs(c2 - c)} {'Right' if c2 > c else 'Left'}"] if c2 != c else []
+    return ", ".join(parts)
+
+
+def _direction_lines(state: SokobanState) -> list[str]:
+    """``Box: 1 Up, 1 Right.``, ``Target: 2 Down from the box.`` and ``Walls next to you: Left.`` (moves
+    in ``ACTIONS`` order, or ``none``); ``The box is on the target.`` once it is."""
+    (box,), (target,), w = state.boxes, state.targets, state.width
+    if box == target:
+        return ["The box is on the target."]
+    walls = [
+        a
+        for a, (dr, dc) in zip(ACTIONS, DIRECTIONS, strict=True)
+        if not state.floor[state.player + dr * w + dc]
+    ]
+    return [
+        f"Box: {_moves_between(state.player, box, w)}.",
+        f"Target: {_moves_between(box, target, w)} from the box.",
+        f"Walls next to you: {' '.join(walls) or 'none'}.",
+    ]

@@ -240,6 +240,39 @@ def test_frozenlake_directions_give_the_goal_and_the_holes_as_moves_from_the_pla
     assert goal_above.reset(0).splitlines()[2:] == ["Goal: 1 Up, 1 Right.", "Holes next to you: Right."]
 
 
+def test_sokoban_directions_give_the_box_the_target_and_the_walls_as_moves():
+    """``directions``: the box as moves from the player, the target as moves from the box and the walls next to
+    the player, recomputed each step; the grid above them and the dynamics are RAGEN's."""
+    from envs.sokoban_state import SokobanState
+
+    floor = bytes(1 if 0 < r < 4 and 0 < c < 4 else 0 for r in range(5) for c in range(5))
+    room = SokobanState(
+        5, 5, floor, targets=(18,), boxes=(12,), player=6
+    )  # player (1,1), box (2,2), target (3,3)
+    sokoban, plain = envs.make("SimpleSokoban", directions=True), envs.make("SimpleSokoban")
+    sokoban.set_state(room)
+    plain.set_state(room)
+    first = sokoban.render().splitlines()
+    assert first[:5] == plain.render().splitlines()
+    assert first[5:] == [
+        "Box: 1 Down, 1 Right.",
+        "Target: 1 Down, 1 Right from the box.",
+        "Walls next to you: Up Left.",
+    ]
+    sokoban.step("Right")
+    assert sokoban.step("Down").observation.splitlines()[5:] == [
+        "Box: 1 Down.",
+        "Target: 1 Right from the box.",
+        "Walls next to you: none.",
+    ]
+    for move in ["Left", "Down"]:
+        sokoban.step(move)
+    solved = sokoban.step("Right")
+    assert solved.observation.endswith("\nThe box is on the target.") and solved.info["success"]
+    with pytest.raises(ValueError, match="num_boxes: 1"):
+        envs.make("SimpleSokoban", num_boxes=2, directions=True)
+
+
 @pytest.mark.parametrize(
     ("tag", "kwargs"),
     [("FrozenLake", {"desc": ["SFH", "FHF", "FFG"], "is_slippery": False}), ("SimpleSokoban", {})],
