@@ -169,6 +169,14 @@ def cell_separator_setting(separator: Any) -> str:
     return separator
 
 
+def observation_flag(name: str, value: Any) -> bool:
+    """``value`` checked as an on/off observation setting: only ``true`` or ``false``, so that a quoted
+    ``"false"`` (a true string) cannot turn a setting on unnoticed."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def separate_cells(grid: str, separator: str) -> str:
     """``grid`` (rows joined by newlines) with ``separator`` between the cells of each row.
 

@@ -34,7 +34,15 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from envs.base import Env, StepResult, cell_label, cell_separator_setting, invalid_step, separate_cells
+from envs.base import (
+    Env,
+    StepResult,
+    cell_label,
+    cell_separator_setting,
+    invalid_step,
+    observation_flag,
+    separate_cells,
+)
 from envs.frozen_lake_maps import (
     SLIP_FIRST,
     SLIP_SECOND,
@@ -106,9 +114,9 @@ class FrozenLakeEnv(Env):
         self.is_slippery = is_slippery
         self.map_seed = map_seed
         self.think_holes = think_holes
-        self.coordinates = coordinates
+        self.coordinates = observation_flag("coordinates", coordinates)
         self.cell_separator = cell_separator_setting(cell_separator)
-        self.directions = directions
+        self.directions = observation_flag("directions", directions)
         self._fixed_desc: tuple[str, ...] | None = tuple(desc) if desc is not None else None
         self.actions = list(ACTIONS)
         self.grid_vocab = dict(GRID_VOCAB)

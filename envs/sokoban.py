@@ -43,7 +43,15 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from envs.base import Env, StepResult, cell_label, cell_separator_setting, invalid_step, separate_cells
+from envs.base import (
+    Env,
+    StepResult,
+    cell_label,
+    cell_separator_setting,
+    invalid_step,
+    observation_flag,
+    separate_cells,
+)
 from envs.sokoban_solver import solve
 from envs.sokoban_state import (
     ACTIONS,
@@ -267,7 +275,7 @@ class SokobanEnv(Env):
             raise ValueError(f"dim_room must be at least 3x3, got {self.dim_room}")
         if num_boxes < 1:
             raise ValueError(f"num_boxes must be >= 1, got {num_boxes}")
-        if directions and num_boxes != 1:
+        if observation_flag("directions", directions) and num_boxes != 1:
             raise ValueError(
                 f"directions describes one box and its target, got num_boxes={num_boxes}: set num_boxes: 1 "
                 "or directions: false"
@@ -279,7 +287,7 @@ class SokobanEnv(Env):
         self.search_depth = int(search_depth)
         self.max_solution_length = max_solution_length
         self.cell_separator = cell_separator_setting(cell_separator)
-        self.directions = bool(directions)
+        self.directions = observation_flag("directions", directions)
         # YAML gives int keys, JSON str keys: accept both.
         lookup = {int(k): str(v) for k, v in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
         if sorted(lookup) != list(range(7)) or len(set(lookup.values())) != 7:

@@ -271,6 +271,9 @@ def test_sokoban_directions_give_the_box_the_target_and_the_walls_as_moves():
     assert solved.observation.endswith("\nThe box is on the target.") and solved.info["success"]
     with pytest.raises(ValueError, match="num_boxes: 1"):
         envs.make("SimpleSokoban", num_boxes=2, directions=True)
+    for tag in ("SimpleSokoban", "FrozenLake"):
+        with pytest.raises(ValueError, match="directions must be true or false, got 'false'"):
+            envs.make(tag, directions="false")
 
 
 @pytest.mark.parametrize(
