@@ -169,6 +169,15 @@ def cell_separator_setting(separator: Any) -> str:
     return separator
 
 
+def moves_between(cell: int, other: int, ncol: int) -> str:
+    """``2 Down, 1 Left``: how many moves along each axis lead from grid cell ``cell`` to ``other`` (flat
+    indices, ``ncol`` columns); the rows first, as the grid envs' ``directions`` lines give them."""
+    (r, c), (r2, c2) = divmod(int(cell), int(ncol)), divmod(int(other), int(ncol))
+    parts = [f"{abs(r2 - r)} {'Down' if r2 > r else 'Up'}"] if r2 != r else []
+    parts += [f"{abs(c2 - c)} {'Right' if c2 > c else 'Left'}"] if c2 != c else []
+    return ", ".join(parts)
+
+
 def observation_flag(name: str, value: Any) -> bool:
     """``value`` checked as an on/off observation setting: only ``true`` or ``false``, so that a quoted
     ``"false"`` (a true string) cannot turn a setting on unnoticed."""

@@ -40,6 +40,7 @@ from envs.base import (
     cell_label,
     cell_separator_setting,
     invalid_step,
+    moves_between,
     observation_flag,
     separate_cells,
 )
@@ -321,12 +322,9 @@ def _direction_lines(data: MapData, state: int) -> list[str]:
         return ["Goal: reached."]
     if data.flat[state] == "H":
         return ["You fell into a hole."]
-    r, c = divmod(state, data.ncol)
-    gr, gc = divmod(min(data.goal_states), data.ncol)
-    parts = [f"{abs(gr - r)} {'Down' if gr > r else 'Up'}"] if gr != r else []
-    parts += [f"{abs(gc - c)} {'Right' if gc > c else 'Left'}"] if gc != c else []
     holes = " ".join(ACTIONS[a] for a in _hole_moves(data, state))
-    return [f"Goal: {', '.join(parts)}.", f"Holes next to you: {holes or 'none'}."]
+    goal = moves_between(state, min(data.goal_states), data.ncol)
+    return [f"Goal: {goal}.", f"Holes next to you: {holes or 'none'}."]
 
 
 # Oracle ------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from envs.base import (
     cell_label,
     cell_separator_setting,
     invalid_step,
+    moves_between,
     observation_flag,
     separate_cells,
 )
@@ -424,14 +425,6 @@ class SokobanEnv(Env):
         )
 
 
-def _moves_between(cell: int, other: int, width: int) -> str:
-    """``2 Down, 1 Left``: how many moves along each axis lead from ``cell`` to ``other``."""
-    (r, c), (r2, c2) = divmod(cell, width), divmod(other, width)
-    parts = [f"{abs(r2 - r)} {'Down' if r2 > r else 'Up'}"] if r2 != r else []
-    parts += [f"{abs(c2 - c)} {'Right' if c2 > c else 'Left'}"] if c2 != c else []
-    return ", ".join(parts)
-
-
 def _direction_lines(state: SokobanState) -> list[str]:
     """``Box: 1 Up, 1 Right.``, ``Target: 2 Down from the box.`` and ``Walls next to you: Left.`` (moves
     in ``ACTIONS`` order, or ``none``); ``The box is on the target.`` once it is."""
@@ -444,7 +437,7 @@ def _direction_lines(state: SokobanState) -> list[str]:
         if not state.floor[state.player + dr * w + dc]
     ]
     return [
-        f"Box: {_moves_between(state.player, box, w)}.",
-        f"Target: {_moves_between(box, target, w)} from the box.",
+        f"Box: {moves_between(state.player, box, w)}.",
+        f"Target: {moves_between(box, target, w)} from the box.",
         f"Walls next to you: {' '.join(walls) or 'none'}.",
     ]
