@@ -276,7 +276,8 @@ class SokobanEnv(Env):
             raise ValueError(f"dim_room must be at least 3x3, got {self.dim_room}")
         if num_boxes < 1:
             raise ValueError(f"num_boxes must be >= 1, got {num_boxes}")
-        if observation_flag("directions", directions) and num_boxes != 1:
+        self.directions = observation_flag("directions", directions)
+        if self.directions and num_boxes != 1:
             raise ValueError(
                 f"directions describes one box and its target, got num_boxes={num_boxes}: set num_boxes: 1 "
                 "or directions: false"
@@ -288,7 +289,6 @@ class SokobanEnv(Env):
         self.search_depth = int(search_depth)
         self.max_solution_length = max_solution_length
         self.cell_separator = cell_separator_setting(cell_separator)
-        self.directions = observation_flag("directions", directions)
         # YAML gives int keys, JSON str keys: accept both.
         lookup = {int(k): str(v) for k, v in (grid_lookup or DEFAULT_GRID_LOOKUP).items()}
         if sorted(lookup) != list(range(7)) or len(set(lookup.values())) != 7:
