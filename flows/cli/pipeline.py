@@ -165,8 +165,9 @@ def evaluate(
     config: Annotated[
         Path | None,
         typer.Option(
-            help="Play with this run config's agent settings (turns, actions, thinking) and max_new_tokens; "
-            "default: the run's own, or for a model each tag's catalogue budget.",
+            help="Play with this run config's agent settings (turns, actions, thinking), max_new_tokens and "
+            "validation envs (val.env_overrides, val.seed); default: the run's own, or for a model each "
+            "tag's catalogue defaults.",
         ),
     ] = None,
 ) -> None:

@@ -55,9 +55,9 @@ class EvaluateRequest(BaseModel):
     engine: Literal["hf", "vllm"] = Field(default="hf", description="rollout backend")
     config: str | None = Field(
         default=None,
-        description="a run config whose agent settings (turns, actions, "
-        "thinking) and max_new_tokens to play with; default: the run's own, or for a "
-        "model each tag's catalogue budgets",
+        description="a run config whose agent settings (turns, actions, thinking), max_new_tokens and "
+        "validation envs (val.env_overrides, val.seed) to play with; default: the run's own, or for a "
+        "model each tag's catalogue defaults",
     )
 
 
@@ -92,6 +92,9 @@ class Policy:
     #: ... and the step: the iterations the policy trained (0: before training), the step its
     #: evaluation's metrics are logged at, beside the training run's own validation of that step
     step: int | None = None
+    #: ... and its validation envs: their settings (FrozenLake's is_slippery, Sokoban's directions)
+    #: and base seed, so that an evaluation plays the envs the run validated on
+    val_envs: EnvGroupsConfig | None = None
 
     def mlflow_run_name(self) -> str:
         """The evaluation's MLflow run name: a run's policy by its run and step (``eval-RUN@step30``,
@@ -181,6 +184,7 @@ def resolve_policy(spec: str) -> Policy:
         run_dir=run.root,
         model_id=run.info().get("logged_models", {}).get(str(k)),
         step=k,
+        val_envs=cfg.val,
     )
 
 
@@ -217,32 +221,52 @@ def _registered_policy(uri: str) -> Policy:
 
 
 class Budget(BaseModel):
-    """Tags played with one agent protocol and one response length."""
+    """Tags played with one agent protocol and one response length, on envs made with ``env_overrides``
+    (tag -> settings; a tag without any plays the catalogue's defaults) from base seed ``seed`` (None: the
+    validation default)."""
 
     tags: list[str]
     protocol: ProtocolConfig
     max_new_tokens: int
+    env_overrides: dict[str, dict[str, Any]] = {}
+    seed: int | None = None
 
 
-def budgets(request: EvaluateRequest, protocol: ProtocolConfig | None, max_new: int | None) -> list[Budget]:
-    """How each tag is played: with ``--config``'s agent settings, else the run's own, else (a model
-    folder) each tag's catalogue budget (turns, response length); ``--max-new-tokens`` wins."""
+def budgets(
+    request: EvaluateRequest,
+    protocol: ProtocolConfig | None,
+    max_new: int | None,
+    val_envs: EnvGroupsConfig | None = None,
+) -> list[Budget]:
+    """How each tag is played: with ``--config``'s agent settings and validation envs, else the run's own
+    (``val_envs``), else (a model folder) each tag's catalogue budget (turns, response length) and
+    defaults; ``--max-new-tokens`` wins. A run's FrozenLake validated without slips is evaluated without
+    slips; a tag the validation envs do not set up (a held-out one) plays its catalogue defaults."""
     from envs.registry import spec
     from ragen_core.config import load_config
 
     tags = list(request.tags if request.tags is not None else MODEL_DEFAULT_TAGS)
     if request.config is not None:
         cfg = load_config(request.config, [])
-        protocol, max_new = cfg.agent, cfg.rollout.max_new_tokens
+        protocol, max_new, val_envs = cfg.agent, cfg.rollout.max_new_tokens, cfg.val
+    envs_of: dict[str, Any] = {"env_overrides": {}, "seed": None}
+    if val_envs is not None:
+        overrides = {t: dict(val_envs.env_overrides[t]) for t in tags if t in val_envs.env_overrides}
+        envs_of = {"env_overrides": overrides, "seed": val_envs.seed}
     if protocol is not None:
-        return [Budget(tags=tags, protocol=protocol, max_new_tokens=request.max_new_tokens or max_new or 100)]
+        max_new = request.max_new_tokens or max_new or 100
+        return [Budget(tags=tags, protocol=protocol, max_new_tokens=max_new, **envs_of)]
     out: dict[tuple[int, int], Budget] = {}
     for tag in tags:
         s = spec(tag)
         key = (s.max_turn, request.max_new_tokens or s.max_tokens)
         if key not in out:
-            out[key] = Budget(tags=[], protocol=ProtocolConfig(max_turn=s.max_turn), max_new_tokens=key[1])
+            out[key] = Budget(
+                tags=[], protocol=ProtocolConfig(max_turn=s.max_turn), max_new_tokens=key[1], **envs_of
+            )
         out[key].tags.append(tag)
+    for b in out.values():  # each budget keeps the settings of its own tags only
+        b.env_overrides = {t: o for t, o in b.env_overrides.items() if t in b.tags}
     return list(out.values())
 
 
@@ -256,7 +280,7 @@ def plan_evaluation(request: EvaluateRequest) -> tuple[EvaluateRequest, Policy, 
     if request.tags is None:  # a run is evaluated on its own validation tags, a model on the default
         request = request.model_copy(update={"tags": policy.default_tags()})
         check_tags(policy.default_tags())
-    return request, policy, budgets(request, policy.protocol, policy.max_new_tokens)
+    return request, policy, budgets(request, policy.protocol, policy.max_new_tokens, policy.val_envs)
 
 
 # ---------------------------------------------------------------------------- the play
@@ -290,18 +314,25 @@ def play(
     t0 = time.perf_counter()
     try:
         for b in plan:
-            val = EnvGroupsConfig(tags=b.tags, n_groups=[request.n_per_tag] * len(b.tags), group_size=1)
+            val = EnvGroupsConfig(
+                tags=b.tags,
+                n_groups=[request.n_per_tag] * len(b.tags),
+                group_size=1,
+                seed=b.seed,
+                env_overrides=b.env_overrides,
+            )
             if worker is None:
                 protocol, groups = b.protocol.model_dump(), val.model_dump()
                 worker = open_worker(str(policy.path), protocol, groups, groups, engine=request.engine)
             else:
                 worker.set_groups("val", b.protocol.model_dump(), val.model_dump())
             log.info(
-                "playing %s: %d episodes each, %d turn(s), %d new tokens per turn",
+                "playing %s: %d episodes each, %d turn(s), %d new tokens per turn%s",
                 ",".join(b.tags),
                 request.n_per_tag,
                 b.protocol.max_turn,
                 b.max_new_tokens,
+                "".join(f"; {t} with {o}" for t, o in b.env_overrides.items()),
             )
             table, m = worker.rollout("val", 0, 0, _sampling(request, b), request.seed, policy.label)
             tables.append(table)

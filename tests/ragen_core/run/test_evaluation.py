@@ -164,3 +164,40 @@ def test_nothing_is_logged_without_log_to_mlflow(tmp_path: Path) -> None:
         request, Policy("p", None, None, "p"), [], {}, tmp_path / "eval.parquet", tmp_path
     )
     assert logged == LoggedEvaluation(None, None, None) and not any(tmp_path.iterdir())
+
+
+def test_a_run_is_evaluated_on_the_envs_it_validated_on_and_a_config_on_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ragen evaluate` once ignored ``val.env_overrides``: a FrozenLake run trained and validated without
+    slips was evaluated on the slippery catalogue default, a directions run on the bare grid."""
+    from ragen_core.config import dump_config, load_config
+    from ragen_core.run.run_dir import RunDir
+
+    root = Path(__file__).resolve().parents[3]
+    monkeypatch.setenv("RAGEN_STATE_DIR", str(tmp_path))
+    run = RunDir(tmp_path / "runs" / "fl-0123abcd-ef4567")
+    cfg = load_config(root / "configs" / "frozenlake-tiny.yaml", ["val.seed=77"])
+    dump_config(cfg, run.config_path)
+    run.init_policy.mkdir()
+
+    request, policy, plan = plan_evaluation(EvaluateRequest(policy=run.root.name, n_per_tag=2))
+    (only,) = plan
+    assert only.env_overrides == {"FrozenLake": {"is_slippery": False, "think_holes": True}}
+    assert only.seed == 77
+    # a held-out tag the run never set up plays its catalogue defaults
+    _, _, plan = plan_evaluation(EvaluateRequest(policy=run.root.name, tags=["FrozenLake", "Bandit"]))
+    assert [(b.tags, b.env_overrides) for b in plan] == [
+        (["FrozenLake", "Bandit"], {"FrozenLake": {"is_slippery": False, "think_holes": True}})
+    ]
+    # --config plays that config's validation envs instead: RAGEN's grid for a directions policy
+    _, _, plan = plan_evaluation(
+        EvaluateRequest(policy=run.root.name, config=str(root / "configs" / "bandit-tiny.yaml"))
+    )
+    assert [(b.env_overrides, b.seed) for b in plan] == [({}, None)]
+
+    # and the play makes the envs with them
+    play(request, policy, [only], logging.getLogger("test.evaluation"), FakeWorker)
+    (worker,) = FakeWorker.instances
+    assert worker.groups["env_overrides"] == {"FrozenLake": {"is_slippery": False, "think_holes": True}}
+    assert worker.groups["seed"] == 77 and worker.groups["n_groups"] == [2]
