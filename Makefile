@@ -73,14 +73,13 @@ screenshots: $(STAMP)
 # Two pytest workers (TEST_WORKERS=0: one process): the end-to-end tests spend much of their time
 # waiting on servers and subprocesses, so one worker left a 2-core machine half idle. --dist loadfile
 # keeps a module on one worker, so a module's fixtures (a trained run, a loaded model) are built once.
-# The longest files go first (tests/conftest.py, LONGEST_FILES), so none is left running alone at the end.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) $(OPENENV_STAMP) models
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@# the type check (1-2 min cold, mostly reading torch's stubs) runs beside the suite's first tests
 	@$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
-	RAGEN_REQUIRE_VLLM=1 RAGEN_REQUIRE_OPENENV=1 RAGEN_REQUIRE_ENVLIBS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25; tests=$$?; \
+	RAGEN_REQUIRE_VLLM=1 RAGEN_REQUIRE_OPENENV=1 RAGEN_REQUIRE_ENVLIBS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25; tests=$$?; \
 	wait $$typecheck; types=$$?; echo "== make typecheck"; cat $(VENV)/typecheck.log; \
 	exit $$(( tests || types ))
 

@@ -24,32 +24,6 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-#: The suite's longest files, longest first (their summed test times in CI, 2026-12-07: 3-5 min each).
-#: `make test` hands whole files to its two workers in collection order (`--dist loadfile
-#: --no-loadscope-reorder`); xdist's default order (most tests first) left these one-test files of several
-#: minutes to the end, one worker running them while the other had nothing left. Longest first, the small
-#: files fill in behind them. A file missing here is only scheduled later, never skipped.
-LONGEST_FILES = (
-    "tests/flows/test_train.py",
-    "tests/reliability/test_tracking_faults.py",
-    "tests/flows/test_sweep_workers.py",
-    "tests/ragen_core/models/test_model_import.py",
-    "tests/flows/test_off_policy.py",
-    "tests/reliability/test_ray_nodes.py",
-    "tests/reliability/test_interrupt.py",
-    "tests/reliability/test_run_identity.py",
-    "tests/test_e2e.py",
-    "tests/ragen_core/rollout/test_vllm_engine.py",
-    "tests/reliability/test_processes.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
-    # sort is stable: the order within a file, and of the files not listed, is kept
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch intra-op thread for a module's tests: the suite's workers share 2 cores, and tiny

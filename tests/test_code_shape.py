@@ -92,10 +92,3 @@ def test_the_limits_catch_offenders(tmp_path: Path) -> None:
     path.write_text(long_body + branchy)
     assert [f.split()[-3] for f in _long_functions(path)] == ["long"]
     assert [f.split()[1] for f in _complex_functions(path)] == ["branchy"]
-
-
-def test_the_files_scheduled_first_exist() -> None:
-    """A renamed file would lose its place at the front of `make test` without a word."""
-    from tests.conftest import LONGEST_FILES
-
-    assert [f for f in LONGEST_FILES if not (ROOT / f).is_file()] == []
