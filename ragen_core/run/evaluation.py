@@ -249,25 +249,31 @@ def budgets(
     if request.config is not None:
         cfg = load_config(request.config, [])
         protocol, max_new, val_envs = cfg.agent, cfg.rollout.max_new_tokens, cfg.val
-    envs_of: dict[str, Any] = {"env_overrides": {}, "seed": None}
-    if val_envs is not None:
-        overrides = {t: dict(val_envs.env_overrides[t]) for t in tags if t in val_envs.env_overrides}
-        envs_of = {"env_overrides": overrides, "seed": val_envs.seed}
     if protocol is not None:
         max_new = request.max_new_tokens or max_new or 100
-        return [Budget(tags=tags, protocol=protocol, max_new_tokens=max_new, **envs_of)]
-    out: dict[tuple[int, int], Budget] = {}
+        return [Budget(tags=tags, protocol=protocol, max_new_tokens=max_new, **_envs_of(tags, val_envs))]
+    by_budget: dict[tuple[int, int], list[str]] = {}
     for tag in tags:
         s = spec(tag)
-        key = (s.max_turn, request.max_new_tokens or s.max_tokens)
-        if key not in out:
-            out[key] = Budget(
-                tags=[], protocol=ProtocolConfig(max_turn=s.max_turn), max_new_tokens=key[1], **envs_of
-            )
-        out[key].tags.append(tag)
-    for b in out.values():  # each budget keeps the settings of its own tags only
-        b.env_overrides = {t: o for t, o in b.env_overrides.items() if t in b.tags}
-    return list(out.values())
+        by_budget.setdefault((s.max_turn, request.max_new_tokens or s.max_tokens), []).append(tag)
+    return [
+        Budget(
+            tags=group,
+            protocol=ProtocolConfig(max_turn=turns),
+            max_new_tokens=tokens,
+            **_envs_of(group, val_envs),
+        )
+        for (turns, tokens), group in by_budget.items()
+    ]
+
+
+def _envs_of(tags: list[str], val_envs: EnvGroupsConfig | None) -> dict[str, Any]:
+    """A budget's env settings: those of ``val_envs`` for its own ``tags`` and its base seed (none: the
+    catalogue's defaults and the validation seed)."""
+    if val_envs is None:
+        return {}
+    overrides = {t: dict(val_envs.env_overrides[t]) for t in tags if t in val_envs.env_overrides}
+    return {"env_overrides": overrides, "seed": val_envs.seed}
 
 
 def plan_evaluation(request: EvaluateRequest) -> tuple[EvaluateRequest, Policy, list[Budget]]:
