@@ -97,7 +97,9 @@ class WorkerDispatch:
                 flow_run_id = self._dispatch(client, m)
                 if flow_run_id is not None:
                     in_flight[flow_run_id] = m
-            last_report = time.monotonic()
+            # no worker online is said on the first pass (nothing will start until one is); the rest,
+            # busy workers or taken slots, only once they have lasted report_every_s
+            last_report: float | None = None
             while in_flight:
                 time.sleep(self.poll_s)
                 runs = {fid: client.read_flow_run(fid) for fid in in_flight}
@@ -111,10 +113,12 @@ class WorkerDispatch:
                             in_flight[again] = m
                     elif state is not None and state.is_final():
                         self._finish(in_flight.pop(fid), fid, state)
-                if in_flight and time.monotonic() - last_report >= self.report_every_s:
-                    last_report = time.monotonic()
+                now = time.monotonic()
+                if in_flight and (last_report is None or now - last_report >= self.report_every_s):
                     # a member dispatched again in this pass has no state read yet (None: waiting)
-                    self._report_waiting(client, {fid: states.get(fid) for fid in in_flight})
+                    waiting = {fid: states.get(fid) for fid in in_flight}
+                    self._report_waiting(client, waiting, only_without_workers=last_report is None)
+                    last_report = now
 
     def _dispatch(self, client: Any, m: Member) -> Any:
         """The member's flow run: the one still in flight from an earlier sweep run, else a new one."""
@@ -211,8 +215,11 @@ class WorkerDispatch:
             reason = f"flow run {flow_run_id} of {self.deployment} ended {state.name}: {state.message or ''}"
             self.sweep.finish(m, None, RuntimeError(reason.strip()))
 
-    def _report_waiting(self, client: Any, states: Mapping[Any, Any]) -> None:
-        """Say which members wait, and for what: a worker of the pool, or a slot of the limit."""
+    def _report_waiting(
+        self, client: Any, states: Mapping[Any, Any], only_without_workers: bool = False
+    ) -> None:
+        """Say which members wait, and for what: a worker of the pool, or a slot of the limit
+        (``only_without_workers``: only the first, and only when no worker is online)."""
         from prefect.client.schemas.objects import StateType
 
         waiting = [
@@ -227,8 +234,9 @@ class WorkerDispatch:
                 if not online
                 else f"the {len(online)} online workers of work pool {self.pool!r} are busy"
             )
-            self.sweep.log.warning("sweep: %d members waiting to start: %s", len(waiting), why)
-        if self.limit and len(states) > len(waiting):
+            if not (online and only_without_workers):
+                self.sweep.log.warning("sweep: %d members waiting to start: %s", len(waiting), why)
+        if self.limit and len(states) > len(waiting) and not only_without_workers:
             gcl = client.read_global_concurrency_limit_by_name(self.limit)
             if gcl.active_slots >= gcl.limit:
                 self.sweep.log.warning(
