@@ -92,6 +92,15 @@ def wait_for_line(log: Path, text: str, proc: object, timeout_s: float) -> None:
     pytest.fail(f"the sweep did not say {text!r} within {timeout_s:.0f} s\n{tail(log)}")
 
 
+def logged_at(log: Path, text: str) -> list[dt.datetime]:
+    """When each of the log's lines holding ``text`` was logged (Prefect's ``HH:MM:SS.fff |`` prefix)."""
+    return [
+        dt.datetime.strptime(line.split(" | ", 1)[0], "%H:%M:%S.%f")
+        for line in log.read_text(errors="replace").splitlines()
+        if text in line and " | " in line
+    ]
+
+
 def steps_logged(mlflow_url: str, run_id: str, key: str) -> list[int]:
     """Every step MLflow holds for ``key``, repeats included (a step logged twice shows twice)."""
     q = urllib.parse.urlencode({"run_id": run_id, "metric_key": key})
@@ -168,6 +177,10 @@ def run_sweep_with_a_dead_worker(
         # no worker yet: the sweep says so at once, and how to start one (every member is dispatched by then)
         wait_for_line(logs["sweep-1"], f"no worker of work pool '{POOL}' is online", first, 60)
         assert f"prefect worker start --pool {POOL}" in logs["sweep-1"].read_text()
+        # at once: on the first poll after the last dispatch, not 30 s on
+        dispatched = logged_at(logs["sweep-1"], "dispatched to")
+        told = logged_at(logs["sweep-1"], "no worker")
+        assert 0 <= (told[0] - dispatched[-1]).total_seconds() < 15, (dispatched, told)
         os.killpg(first.pid, signal.SIGKILL)  # the sweep's own process dies with its members in flight
         first.wait(timeout=30)
     with group(sweep_cmd, logs["sweep"], env=env, cwd=ROOT) as sweep:
