@@ -36,7 +36,7 @@ class WorkerDispatch:
     Every member is dispatched at once and then watched: its flow run's id is kept in the sweep's
     state, so a sweep run again waits for a member still in flight instead of dispatching it twice.
     Members that wait (no worker online, every slot of the limit taken) are reported every
-    ``report_every_s`` seconds, saying for what.
+    ``report_every_s`` seconds, saying for what; no worker online also on the first poll.
 
     A worker that dies mid-member (its machine or its process killed) leaves the member's flow run
     RUNNING on the server for good. A member whose training process has ended while its flow run is
