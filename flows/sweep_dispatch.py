@@ -97,9 +97,7 @@ class WorkerDispatch:
                 flow_run_id = self._dispatch(client, m)
                 if flow_run_id is not None:
                     in_flight[flow_run_id] = m
-            # no worker online is said on the first pass (nothing will start until one is); the rest,
-            # busy workers or taken slots, only once they have lasted report_every_s
-            last_report: float | None = None
+            last_report, first_pass = time.monotonic(), True
             while in_flight:
                 time.sleep(self.poll_s)
                 runs = {fid: client.read_flow_run(fid) for fid in in_flight}
@@ -113,12 +111,14 @@ class WorkerDispatch:
                             in_flight[again] = m
                     elif state is not None and state.is_final():
                         self._finish(in_flight.pop(fid), fid, state)
-                now = time.monotonic()
-                if in_flight and (last_report is None or now - last_report >= self.report_every_s):
+                # no worker online is said on the first pass (nothing will start until one is); the rest,
+                # busy workers or taken slots, only once they have lasted report_every_s
+                due = time.monotonic() - last_report >= self.report_every_s
+                if in_flight and (due or (first_pass and not self._online_workers(client))):
+                    last_report = time.monotonic()
                     # a member dispatched again in this pass has no state read yet (None: waiting)
-                    waiting = {fid: states.get(fid) for fid in in_flight}
-                    self._report_waiting(client, waiting, only_without_workers=last_report is None)
-                    last_report = now
+                    self._report_waiting(client, {fid: states.get(fid) for fid in in_flight})
+                first_pass = False
 
     def _dispatch(self, client: Any, m: Member) -> Any:
         """The member's flow run: the one still in flight from an earlier sweep run, else a new one."""
@@ -215,11 +215,11 @@ class WorkerDispatch:
             reason = f"flow run {flow_run_id} of {self.deployment} ended {state.name}: {state.message or ''}"
             self.sweep.finish(m, None, RuntimeError(reason.strip()))
 
-    def _report_waiting(
-        self, client: Any, states: Mapping[Any, Any], only_without_workers: bool = False
-    ) -> None:
-        """Say which members wait, and for what: a worker of the pool, or a slot of the limit
-        (``only_without_workers``: only the first, and only when no worker is online)."""
+    def _online_workers(self, client: Any) -> list[Any]:
+        return [w for w in client.read_workers_for_work_pool(self.pool) if w.status == "ONLINE"]
+
+    def _report_waiting(self, client: Any, states: Mapping[Any, Any]) -> None:
+        """Say which members wait, and for what: a worker of the pool, or a slot of the limit."""
         from prefect.client.schemas.objects import StateType
 
         waiting = [
@@ -228,15 +228,14 @@ class WorkerDispatch:
             if s is None or s.type in (StateType.SCHEDULED, StateType.PENDING)
         ]
         if waiting:
-            online = [w for w in client.read_workers_for_work_pool(self.pool) if w.status == "ONLINE"]
+            online = self._online_workers(client)
             why = (
                 f"no worker of work pool {self.pool!r} is online: start one with `prefect worker start --pool {self.pool}`"
                 if not online
                 else f"the {len(online)} online workers of work pool {self.pool!r} are busy"
             )
-            if not (online and only_without_workers):
-                self.sweep.log.warning("sweep: %d members waiting to start: %s", len(waiting), why)
-        if self.limit and len(states) > len(waiting) and not only_without_workers:
+            self.sweep.log.warning("sweep: %d members waiting to start: %s", len(waiting), why)
+        if self.limit and len(states) > len(waiting):
             gcl = client.read_global_concurrency_limit_by_name(self.limit)
             if gcl.active_slots >= gcl.limit:
                 self.sweep.log.warning(
